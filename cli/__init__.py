@@ -1,0 +1,38 @@
+"""The promptstore command line: ``promptstore [--store DIR] COMMAND``.
+
+One module per command; each registers itself on the group in ``main``.
+"""
+
+from __future__ import annotations
+
+import click
+
+from promptstore.cli._common import Ctx
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--store",
+    "store_path",
+    envvar="PROMPTSTORE_DIR",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Store directory [env PROMPTSTORE_DIR; default ~/.cache/promptstore].",
+)
+@click.version_option(package_name="promptstore")
+@click.pass_context
+def main(ctx: click.Context, store_path):
+    """Persistent, bit-exact prompt caches for MLX language models."""
+    ctx.obj = Ctx(store_path)
+    ctx.call_on_close(ctx.obj.close)
+
+
+from promptstore.cli import get as _get  # noqa: E402
+from promptstore.cli import ls as _ls  # noqa: E402
+from promptstore.cli import put as _put  # noqa: E402
+
+main.add_command(_put.put)
+main.add_command(_get.get)
+main.add_command(_ls.ls)
+
+__all__ = ["main"]

@@ -1,0 +1,44 @@
+"""``kv.chunked``: mlx-lm's ChunkedKVCache; keeps ``start_position`` and ``chunk_size``."""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import ChunkedKVCache
+
+from promptstore.codecs._kv import check_count, check_seq, covered
+from promptstore.codecs._registry import Codec, array, register, require
+
+
+class ChunkedKVCodec(Codec):
+    kind = "kv.chunked"
+    version = 1
+    types = (ChunkedKVCache,)
+
+    def encode(self, layer):
+        meta = {
+            "offset": int(layer.offset),
+            "chunk_size": int(layer.chunk_size),
+            "start_position": int(layer.start_position),
+        }
+        if layer.keys is None:
+            return {}, meta
+        n = meta["offset"] - meta["start_position"]
+        return {"keys": covered(layer.keys, n), "values": covered(layer.values, n)}, meta
+
+    def decode(self, arrays, meta, version):
+        offset = check_count(self.kind, "offset", require(meta, "offset", int, self.kind))
+        start = check_count(self.kind, "start_position", require(meta, "start_position", int, self.kind))
+        chunk = check_count(self.kind, "chunk_size", require(meta, "chunk_size", int, self.kind), 1)
+        n = check_count(self.kind, "offset - start_position", offset - start)
+        cache = ChunkedKVCache(chunk)
+        if arrays:
+            cache.keys = check_seq(self.kind, "keys", array(arrays, "keys", self.kind), n)
+            cache.values = check_seq(self.kind, "values", array(arrays, "values", self.kind), n)
+        cache.offset = offset
+        cache.start_position = start
+        return cache
+
+    def coverage(self, layer):
+        return int(layer.offset)
+
+
+register(ChunkedKVCodec())

@@ -1,0 +1,352 @@
+"""Entry format: a msgpack manifest plus one payload of array bytes, chunked.
+
+The manifest records, per layer, its storage kind, codec version and meta,
+and per array its dtype, shape, place in the payload and xxh3-64 checksum.
+The payload is the arrays' bytes back to back, cut into LMDB values of
+``CHUNK`` bytes (4 MiB - 16 B, exactly 1024 pages with LMDB's overflow
+header), so large values never need more contiguous free pages than that.
+
+Reading is fail-closed: a newer format, a field of the wrong type, a size
+that does not add up or a checksum that does not match raises, and nothing
+is returned. Sizes are checked before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+
+import mlx.core as mx
+import msgpack
+import numpy as np
+import xxhash
+
+from promptstore.codecs import Encoded, decode_layer
+from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
+
+FORMAT = 1
+CHUNK = 4 * 1024 * 1024 - 16
+MAX_MANIFEST = 64 * 1024 * 1024
+MAX_TOKENS = 1 << 24
+MAX_LAYERS = 4096
+MAX_ARRAYS = 1 << 16
+MAX_PAYLOAD = 1 << 40
+
+DTYPES: Dict[str, Any] = {
+    "bool": mx.bool_,
+    "uint8": mx.uint8,
+    "uint16": mx.uint16,
+    "uint32": mx.uint32,
+    "uint64": mx.uint64,
+    "int8": mx.int8,
+    "int16": mx.int16,
+    "int32": mx.int32,
+    "int64": mx.int64,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+    "float64": mx.float64,
+    "complex64": mx.complex64,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# numpy has no bfloat16: such arrays travel as bytes through a same-width view.
+_BYTE_VIEW = {mx.bfloat16: mx.uint16}
+
+
+@dataclass(frozen=True)
+class ArrayRecord:
+    """Where one array lives in the payload."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    offset: int
+    nbytes: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    kind: str
+    version: int
+    meta: Dict[str, Any]
+    arrays: Tuple[ArrayRecord, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A decoded, validated manifest."""
+
+    model: str
+    model_name: str
+    tokens: np.ndarray  # uint32
+    layers: Tuple[LayerRecord, ...]
+    payload: int
+    chunks: int
+    created: float
+    trimmable: bool
+    meta: Dict[str, Any]
+    entry_id: str
+
+    @property
+    def kinds(self) -> Tuple[str, ...]:
+        return tuple(layer.kind for layer in self.layers)
+
+
+def tokens_bytes(tokens: np.ndarray) -> bytes:
+    return np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+
+
+def _host_bytes(a: mx.array) -> memoryview:
+    """A read-only byte view of an evaluated, contiguous array (no copy)."""
+    view = _BYTE_VIEW.get(a.dtype)
+    if view is not None:
+        a = a.view(view)
+    return memoryview(np.asarray(a)).cast("B")
+
+
+def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], int]:
+    """Evaluate every array contiguously and lay out the payload.
+
+    Returns the manifest's layer records, the byte views in payload order and
+    the payload size.
+    """
+    flat = [mx.contiguous(a) for enc in layers for a in enc.arrays.values()]
+    mx.eval(flat)
+    records, views, offset, i = [], [], 0, 0
+    for enc in layers:
+        arrays = []
+        for name, src in enc.arrays.items():
+            a = flat[i]
+            i += 1
+            dtype = _DTYPE_NAMES.get(a.dtype)
+            if dtype is None:
+                raise CorruptEntry(f"kind {enc.kind!r}: array {name!r} has unsupported dtype {a.dtype}")
+            buf = _host_bytes(a)
+            arrays.append([name, dtype, list(a.shape), offset, buf.nbytes, xxhash.xxh3_64_intdigest(buf)])
+            views.append(buf)
+            offset += buf.nbytes
+        records.append({"kind": enc.kind, "version": enc.version, "meta": enc.meta, "arrays": arrays})
+    return records, views, offset
+
+
+def iter_chunks(views: Sequence[memoryview], total: int) -> Iterator[memoryview]:
+    """The payload cut into ``CHUNK``-byte values.
+
+    A chunk that lies inside one array is that array's memory itself; only
+    chunks that straddle arrays are assembled (one copy of those bytes).
+    """
+    pending: List[memoryview] = []
+    fill = 0
+    for view in views:
+        pos = 0
+        while pos < view.nbytes:
+            take = min(CHUNK - fill, view.nbytes - pos)
+            piece = view[pos : pos + take]
+            pos += take
+            if fill == 0 and take == CHUNK:
+                yield piece
+                continue
+            pending.append(piece)
+            fill += take
+            if fill == CHUNK:
+                yield memoryview(b"".join(pending))
+                pending, fill = [], 0
+    if fill:
+        yield memoryview(b"".join(pending))
+
+
+def n_chunks(payload: int) -> int:
+    return math.ceil(payload / CHUNK)
+
+
+def pack_manifest(
+    *,
+    model: str,
+    model_name: str,
+    tokens: np.ndarray,
+    layers: List[dict],
+    payload: int,
+    created: float,
+    trimmable: bool,
+    meta: Dict[str, Any],
+    entry_id: str,
+) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "model": model,
+        "model_name": model_name,
+        "tokens": tokens_bytes(tokens),
+        "layers": layers,
+        "payload": payload,
+        "chunks": n_chunks(payload),
+        "chunk_size": CHUNK,
+        "created": created,
+        "trimmable": trimmable,
+        "meta": meta,
+        "id": entry_id,
+    }
+    try:
+        return msgpack.packb(doc, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise InvalidInput(f"entry metadata is not serialisable: {err}") from err
+
+
+def _field(doc: dict, key: str, types: Any, where: str) -> Any:
+    if key not in doc:
+        raise CorruptEntry(f"{where}: manifest field {key!r} is missing")
+    value = doc[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise CorruptEntry(f"{where}: manifest field {key!r} has type bool")
+    if not isinstance(value, types):
+        raise CorruptEntry(f"{where}: manifest field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def unpack_manifest(raw: bytes, where: str) -> Manifest:
+    """Parse and validate a manifest; ``where`` names the entry in errors.
+
+    Raises:
+        UnsupportedVersion: the entry format is newer than this reader.
+        CorruptEntry: anything else is wrong.
+    """
+    if len(raw) > MAX_MANIFEST:
+        raise CorruptEntry(f"{where}: manifest of {len(raw)} bytes is implausibly large")
+    try:
+        doc = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_TOKENS * 4,
+            max_str_len=1 << 20,
+            max_array_len=MAX_ARRAYS,
+            max_map_len=1 << 16,
+        )
+    except Exception as err:  # msgpack raises many unrelated types on damage
+        raise CorruptEntry(f"{where}: manifest does not parse ({type(err).__name__}: {err})") from err
+    if not isinstance(doc, dict):
+        raise CorruptEntry(f"{where}: manifest is not a map")
+    fmt = _field(doc, "format", int, where)
+    if fmt > FORMAT:
+        raise UnsupportedVersion(
+            f"{where}: entry format {fmt} is newer than this promptstore reads ({FORMAT}); upgrade promptstore"
+        )
+    if fmt < 1:
+        raise CorruptEntry(f"{where}: entry format {fmt} is invalid")
+    if _field(doc, "chunk_size", int, where) != CHUNK:
+        raise UnsupportedVersion(f"{where}: entry uses chunk size {doc['chunk_size']}, this reader {CHUNK}")
+    tok = _field(doc, "tokens", bytes, where)
+    if len(tok) % 4:
+        raise CorruptEntry(f"{where}: token bytes are not a whole number of uint32")
+    payload = _field(doc, "payload", int, where)
+    chunks = _field(doc, "chunks", int, where)
+    if not 0 <= payload <= MAX_PAYLOAD or chunks != n_chunks(payload):
+        raise CorruptEntry(f"{where}: payload of {payload} bytes in {chunks} chunks does not add up")
+    raw_layers = _field(doc, "layers", list, where)
+    if len(raw_layers) > MAX_LAYERS:
+        raise CorruptEntry(f"{where}: {len(raw_layers)} layers is implausible")
+    layers, expect = [], 0
+    for li, rl in enumerate(raw_layers):
+        lw = f"{where} layer {li}"
+        if not isinstance(rl, dict):
+            raise CorruptEntry(f"{lw}: not a map")
+        records = []
+        for ra in _field(rl, "arrays", list, lw):
+            if not (isinstance(ra, list) and len(ra) == 6):
+                raise CorruptEntry(f"{lw}: malformed array record")
+            name, dtype, shape, off, nbytes, checksum = ra
+            if not (isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)):
+                raise CorruptEntry(f"{lw}: malformed array record")
+            if dtype not in DTYPES:
+                raise CorruptEntry(f"{lw}: array {name!r} has unknown dtype {dtype!r}")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape) or len(shape) > 8:
+                raise CorruptEntry(f"{lw}: array {name!r} has malformed shape {shape!r}")
+            size = math.prod(shape) * DTYPES[dtype].size
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (off, nbytes, checksum)):
+                raise CorruptEntry(f"{lw}: array {name!r} has malformed location")
+            if nbytes != size or off != expect:
+                raise CorruptEntry(f"{lw}: array {name!r} of shape {shape} {dtype} does not match its {nbytes} bytes at {off}")
+            expect += nbytes
+            records.append(ArrayRecord(name, dtype, tuple(shape), off, nbytes, checksum))
+        layers.append(
+            LayerRecord(
+                _field(rl, "kind", str, lw),
+                _field(rl, "version", int, lw),
+                _field(rl, "meta", dict, lw),
+                tuple(records),
+            )
+        )
+    if expect != payload:
+        raise CorruptEntry(f"{where}: arrays cover {expect} bytes, payload says {payload}")
+    return Manifest(
+        model=_field(doc, "model", str, where),
+        model_name=_field(doc, "model_name", str, where),
+        tokens=np.frombuffer(tok, dtype="<u4"),
+        layers=tuple(layers),
+        payload=payload,
+        chunks=chunks,
+        created=float(_field(doc, "created", (int, float), where)),
+        trimmable=_field(doc, "trimmable", bool, where),
+        meta=_field(doc, "meta", dict, where),
+        entry_id=_field(doc, "id", str, where),
+    )
+
+
+def read_arrays(man: Manifest, get_chunk: Callable[[int], Any], where: str) -> List[Dict[str, mx.array]]:
+    """Copy the payload into fresh mlx arrays (one copy) and verify checksums.
+
+    ``get_chunk(i)`` returns chunk ``i`` as a buffer, or None when missing.
+    It must be called inside the read transaction that owns the buffers.
+    """
+    dests: List[Tuple[ArrayRecord, mx.array]] = []
+    for layer in man.layers:
+        for rec in layer.arrays:
+            dests.append((rec, mx.zeros((rec.nbytes,), dtype=mx.uint8)))
+    mx.eval([d for _, d in dests])
+    host = [np.asarray(d) for _, d in dests]
+    ai, apos = 0, 0  # current destination array and position in it
+    for ci in range(man.chunks):
+        buf = get_chunk(ci)
+        if buf is None:
+            raise CorruptEntry(f"{where}: payload chunk {ci} of {man.chunks} is missing")
+        expect = min(CHUNK, man.payload - ci * CHUNK)
+        if len(buf) != expect:
+            raise CorruptEntry(f"{where}: payload chunk {ci} has {len(buf)} bytes, expected {expect}")
+        src = np.frombuffer(buf, dtype=np.uint8)
+        cpos = 0
+        while cpos < expect:
+            while dests[ai][0].nbytes == apos:
+                ai, apos = ai + 1, 0
+            take = min(expect - cpos, dests[ai][0].nbytes - apos)
+            host[ai][apos : apos + take] = src[cpos : cpos + take]
+            cpos += take
+            apos += take
+    out: List[Dict[str, mx.array]] = []
+    i = 0
+    for li, layer in enumerate(man.layers):
+        arrays = {}
+        for rec in layer.arrays:
+            if xxhash.xxh3_64_intdigest(host[i]) != rec.checksum:
+                raise CorruptEntry(
+                    f"{where}: checksum mismatch in layer {li} array {rec.name!r}; "
+                    "run `promptstore verify --fix` to remove damaged entries"
+                )
+            arrays[rec.name] = dests[i][1].view(DTYPES[rec.dtype]).reshape(rec.shape)
+            i += 1
+        out.append(arrays)
+    return out
+
+
+def decode_layers(man: Manifest, arrays: List[Dict[str, mx.array]], where: str) -> List[Any]:
+    """Turn each layer's arrays back into a cache object via its codec."""
+    layers = []
+    for li, (rec, arr) in enumerate(zip(man.layers, arrays)):
+        try:
+            layers.append(decode_layer(rec.kind, rec.version, arr, rec.meta))
+        except PromptStoreError as err:
+            raise type(err)(f"{where} layer {li}: {err}") from err
+        except Exception as err:  # a codec tripping over damaged meta must not escape untyped
+            raise CorruptEntry(f"{where} layer {li} ({rec.kind}): {type(err).__name__}: {err}") from err
+    mx.eval([a for d in arrays for a in d.values()])
+    return layers

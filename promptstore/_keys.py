@@ -1,0 +1,125 @@
+"""Keys and the prefix index.
+
+* Entry key (36 bytes): model id (16, blake2b of the identity string) +
+  blake2b-128 of the token bytes + token count (u32 BE). Exact, collision-free
+  in practice, and the tokens are verified on every read anyway.
+* Prefix hashes: a polynomial rolling hash of every prefix of a token list,
+  computed in one vectorised pass (wrapping uint64 arithmetic). They address
+  the index only; every candidate they lead to is checked token by token.
+* Index nodes, one per ``BLOCK`` tokens of every entry (``k*BLOCK <= n``),
+  keyed model id + prefix hash + k. A node exists for prefix ``p`` of length
+  ``k*BLOCK`` iff some entry extends through ``p``, so the deepest node of a
+  query is found by binary search. Node ``k`` of an entry of length ``n`` with
+  ``k == n // BLOCK`` also lists the entry's end in a dupsort table, sorted by
+  length, so the longest stored prefix ending in that block is one cursor walk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+
+from promptstore.errors import InvalidInput
+
+BLOCK = 256
+_B = 0x9E3779B97F4A7C15 | 1
+_B_INV = pow(_B, -1, 1 << 64)
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+MAX_TOKEN = (1 << 32) - 1
+
+_pows = np.ones(1, dtype=np.uint64)
+_inv_pows = np.ones(1, dtype=np.uint64)
+
+
+def as_tokens(tokens) -> np.ndarray:
+    """Validate a token list and return it as a 1-D uint32 array.
+
+    Raises:
+        InvalidInput: not a non-empty 1-D sequence of ints in [0, 2**32).
+    """
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as err:
+        raise InvalidInput(f"tokens must be a list of ints: {err}") from err
+    if arr.ndim != 1 or arr.size == 0:
+        raise InvalidInput(f"tokens must be a non-empty 1-D list of ints, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise InvalidInput(f"tokens must be ints, got {arr.dtype}")
+    if (arr.dtype.kind == "i" and int(arr.min()) < 0) or int(arr.max()) > MAX_TOKEN:
+        raise InvalidInput("token ids must lie in [0, 2**32)")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+def model_id(model: str) -> bytes:
+    """16-byte id of a model identity string.
+
+    Raises:
+        InvalidInput: empty or non-string identity.
+    """
+    if not isinstance(model, str) or not model:
+        raise InvalidInput("model identity must be a non-empty string (e.g. promptstore.fingerprint(dir))")
+    return hashlib.blake2b(model.encode(), digest_size=16).digest()
+
+
+def entry_key(mid: bytes, tokens: np.ndarray) -> bytes:
+    digest = hashlib.blake2b(tokens.astype("<u4", copy=False).tobytes(), digest_size=16).digest()
+    return mid + digest + _U32.pack(len(tokens))
+
+
+def key_length(ekey: bytes) -> int:
+    return _U32.unpack(ekey[32:36])[0]
+
+
+def entry_id(ekey: bytes) -> str:
+    """The short, stable, copy-pastable id shown to users (16 hex digits)."""
+    return hashlib.blake2b(ekey, digest_size=8).hexdigest()
+
+
+def _grow(n: int) -> None:
+    global _pows, _inv_pows
+    if len(_pows) >= n:
+        return
+    size = max(n, 2 * len(_pows))
+    _pows = _powers(_B, size)
+    _inv_pows = _powers(_B_INV, size)
+
+
+def _powers(base: int, size: int) -> np.ndarray:
+    out = np.empty(size, dtype=np.uint64)
+    out[0] = 1
+    if size > 1:
+        with np.errstate(over="ignore"):
+            out[1:] = np.cumprod(np.full(size - 1, base, dtype=np.uint64), dtype=np.uint64)
+    return out
+
+
+def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
+    """``h[i]`` = hash of ``tokens[:i]`` for ``i`` in ``0..len(tokens)`` (uint64)."""
+    n = len(tokens)
+    _grow(n + 1)
+    t = tokens.astype(np.uint64) + np.uint64(1)
+    out = np.zeros(n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        s = np.cumsum(t * _inv_pows[:n], dtype=np.uint64)
+        out[1:] = s * _pows[:n]
+    return out
+
+
+def node_key(mid: bytes, h: int, k: int) -> bytes:
+    return mid + _U64.pack(int(h)) + _U32.pack(k)
+
+
+def end_value(n: int, h: int, ekey: bytes) -> bytes:
+    return _U32.pack(n) + _U64.pack(int(h)) + ekey
+
+
+def parse_end(value: bytes):
+    """``(n, h, ekey)`` of an end record."""
+    return _U32.unpack(value[:4])[0], _U64.unpack(value[4:12])[0], bytes(value[12:])
+
+
+def u32(n: int) -> bytes:
+    return _U32.pack(n)

@@ -1,0 +1,91 @@
+"""The one error tree of promptstore.
+
+Every error promptstore raises on purpose is a :class:`PromptStoreError`.
+Messages say what failed, where (path or key) and what to do about it.
+
+::
+
+    PromptStoreError
+    ├── InvalidInput            (also ValueError) a bad argument from the caller
+    ├── CoverageMismatch        a layer covers a different number of tokens than given
+    ├── ModelMismatch           an entry belongs to another model identity
+    ├── EntryNotFound           (also KeyError) no entry under that key
+    ├── CodecError              a layer cannot be encoded or decoded
+    │   ├── UnknownStorageKind  unregistered class or kind string
+    │   └── UnsupportedVersion  a codec or format version newer than this reader
+    ├── CorruptEntry            checksum, size or manifest damage in one entry
+    └── StoreError              the LMDB environment itself
+        ├── StoreFull           disk or map full
+        └── StoreUnavailable    cannot open, wrong process (fork), file damaged
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PromptStoreError",
+    "InvalidInput",
+    "CoverageMismatch",
+    "ModelMismatch",
+    "EntryNotFound",
+    "CodecError",
+    "UnknownStorageKind",
+    "UnsupportedVersion",
+    "CorruptEntry",
+    "StoreError",
+    "StoreFull",
+    "StoreUnavailable",
+]
+
+
+class PromptStoreError(Exception):
+    """Base class of every error promptstore raises on purpose."""
+
+
+class InvalidInput(PromptStoreError, ValueError):
+    """An argument from the caller is malformed (empty model id, bad tokens...)."""
+
+
+class CoverageMismatch(PromptStoreError):
+    """A layer's coverage differs from the number of tokens the entry claims.
+
+    Writing such an entry would corrupt every later hit, so nothing is written.
+    """
+
+
+class ModelMismatch(PromptStoreError):
+    """An entry was made by another model identity than the one asked for."""
+
+
+class EntryNotFound(PromptStoreError, KeyError):
+    """No entry exists under the given key."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CodecError(PromptStoreError):
+    """A layer cache cannot be encoded or decoded."""
+
+
+class UnknownStorageKind(CodecError):
+    """The cache class or storage-kind string has no registered codec."""
+
+
+class UnsupportedVersion(CodecError):
+    """A codec or entry-format version is newer than this reader understands."""
+
+
+class CorruptEntry(PromptStoreError):
+    """An entry's manifest or payload is damaged (checksum, size, structure)."""
+
+
+class StoreError(PromptStoreError):
+    """The LMDB environment failed as a whole."""
+
+
+class StoreFull(StoreError):
+    """The disk or the LMDB map is full; nothing of the failed write was kept."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be opened or used from here (damaged file, forked process)."""

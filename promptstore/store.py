@@ -1,0 +1,694 @@
+"""PromptStore: prompt caches in LMDB, keyed by model identity and exact tokens."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import lmdb
+import msgpack
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from promptstore import _entry, _keys
+from promptstore._env import DEFAULT_MAP_SIZE, Env
+from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
+from promptstore.errors import (
+    CorruptEntry,
+    CoverageMismatch,
+    EntryNotFound,
+    InvalidInput,
+    ModelMismatch,
+    PromptStoreError,
+    UnsupportedVersion,
+)
+from promptstore.identity import model_name_of
+
+__all__ = ["PromptStore", "EntryInfo", "Hit", "VerifyReport", "default_path"]
+
+log = logging.getLogger("promptstore")
+
+STORE_FORMAT = 1
+_F64 = struct.Struct(">d")
+_U64 = struct.Struct(">Q")
+_MAX_REPS = 4
+
+
+def default_path() -> Path:
+    """``$PROMPTSTORE_DIR``, else ``~/.cache/promptstore``."""
+    env = os.environ.get("PROMPTSTORE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "promptstore"
+
+
+def _utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What the store knows of one entry, without its arrays."""
+
+    id: str
+    model: str
+    model_name: str
+    n_tokens: int
+    kinds: Tuple[str, ...]
+    nbytes: int
+    created: datetime
+    last_used: datetime
+    trimmable: bool
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup result: a ready cache covering ``matched`` tokens of the query.
+
+    ``trimmed`` is how many tokens were cut from a longer stored entry.
+    """
+
+    cache: List[Any]
+    matched: int
+    info: EntryInfo
+    trimmed: int = 0
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of :meth:`PromptStore.verify`."""
+
+    checked: int
+    problems: Tuple[Tuple[str, str], ...]  # (entry id, what is wrong)
+    orphan_chunks: int
+    fixed: bool
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.orphan_chunks
+
+
+class PromptStore:
+    """Prompt caches in an LMDB environment.
+
+    Args:
+        path: the store directory; None means ``$PROMPTSTORE_DIR``, else
+            ``~/.cache/promptstore``. Created when missing.
+        map_size: initial LMDB map (address space only; it grows on demand).
+        readonly: open without write access.
+
+    One instance serves any number of threads; other processes may open the
+    same path at the same time. Never use an instance across ``fork()``.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False):
+        self.path = Path(path).expanduser() if path is not None else default_path()
+        self._env = Env(self.path, map_size=map_size, readonly=readonly)
+        self._db = self._env.db
+        self._lock = threading.Lock()
+        self._touched: Dict[bytes, float] = {}
+        self._counts: Counter = Counter()
+        self._check_format(readonly)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def _check_format(self, readonly: bool) -> None:
+        with self._env.read() as txn:
+            raw = txn.get(b"format", db=self._db[b"info"])
+        if raw is None:
+            if not readonly:
+                self._env.write(lambda t: t.put(b"format", _U64.pack(STORE_FORMAT), db=self._db[b"info"]))
+            return
+        fmt = _U64.unpack(raw)[0] if len(raw) == 8 else -1
+        if fmt != STORE_FORMAT:
+            self._env.close()
+            if fmt > STORE_FORMAT:
+                raise UnsupportedVersion(f"{self.path}: store format {fmt} is newer than this promptstore ({STORE_FORMAT}); upgrade")
+            raise CorruptEntry(f"{self.path}: store format record is damaged")
+
+    def close(self) -> None:
+        """Flush recorded usage and close the environment."""
+        if self._env is None:
+            return
+        try:
+            if os.getpid() == self._env.pid:
+                self.flush()
+        finally:
+            self._env.close()
+            self._env = None
+
+    def __enter__(self) -> "PromptStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; explicit close() is the contract
+        try:
+            if getattr(self, "_env", None) is not None and os.getpid() == self._env.pid:
+                self._env.close()
+        except Exception:
+            pass
+
+    @property
+    def env(self) -> Env:
+        if self._env is None:
+            raise PromptStoreError(f"{self.path}: the store is closed")
+        return self._env
+
+    # -- usage bookkeeping (kept off the read path) ----------------------------
+
+    def _touch(self, ekey: bytes) -> None:
+        with self._lock:
+            self._touched[ekey] = time.time()
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def _flush_in(self, txn: lmdb.Transaction) -> None:
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            counts, self._counts = self._counts, Counter()
+        for ekey, ts in touched.items():
+            if txn.get(ekey, db=self._db[b"entries"]) is not None:
+                txn.put(ekey, _F64.pack(ts), db=self._db[b"used"])
+        for what, n in counts.items():
+            key = b"stat:" + what.encode()
+            raw = txn.get(key, db=self._db[b"info"])
+            old = _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
+            txn.put(key, _U64.pack(old + n), db=self._db[b"info"])
+
+    def flush(self) -> None:
+        """Write recorded last-use times and hit counters (done on every put and on close)."""
+        if self._touched or self._counts:
+            self.env.write(self._flush_in)
+
+    # -- writing -------------------------------------------------------------
+
+    def put(self, model: str, tokens: Sequence[int], cache: Sequence[Any], meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
+        """Store ``cache`` as the prompt cache of ``tokens`` under ``model``.
+
+        Args:
+            model: the model identity, normally ``fingerprint(...)``; any
+                non-empty string is accepted.
+            tokens: the token ids the cache covers, exactly.
+            cache: the per-layer cache objects (``make_prompt_cache(model)``).
+            meta: optional user metadata (msgpack-serialisable values).
+
+        Returns:
+            The stored entry's EntryInfo. An existing entry for the same model
+            and tokens is replaced.
+
+        Raises:
+            CoverageMismatch: a layer covers another number of tokens.
+            UnknownStorageKind: a layer's class has no codec.
+            InvalidInput: bad model id, tokens or meta.
+            StoreFull: disk or map full; nothing was written.
+        """
+        mid = _keys.model_id(model)
+        toks = _keys.as_tokens(tokens)
+        layers = list(cache)
+        if not layers:
+            raise InvalidInput("cache has no layers")
+        n = len(toks)
+        for i, layer in enumerate(layers):
+            cov = codec_for_layer(layer).coverage(layer)
+            if cov is not None and cov != n:
+                raise CoverageMismatch(
+                    f"layer {i} ({storage_kind(layer)}) covers {cov} tokens but {n} tokens were given; "
+                    "pass exactly the tokens the cache has absorbed"
+                )
+        if meta is not None and not isinstance(meta, dict):
+            raise InvalidInput("meta must be a dict")
+        encoded = [encode_layer(layer) for layer in layers]
+        records, views, payload = _entry.prepare(encoded)
+        trimmable = all(getattr(layer, "is_trimmable", lambda: False)() for layer in layers)
+        ekey = _keys.entry_key(mid, toks)
+        eid = _keys.entry_id(ekey)
+        now = time.time()
+        manifest = _entry.pack_manifest(
+            model=model,
+            model_name=model_name_of(model),
+            tokens=toks,
+            layers=records,
+            payload=payload,
+            created=now,
+            trimmable=trimmable,
+            meta=dict(meta or {}),
+            entry_id=eid,
+        )
+        hashes = _keys.prefix_hashes(toks)
+
+        def write(txn: lmdb.Transaction) -> None:
+            old = txn.get(ekey, db=self._db[b"entries"])
+            if old is not None:
+                self._unlink(txn, ekey, old)
+            for i, chunk in enumerate(_entry.iter_chunks(views, payload)):
+                txn.put(ekey + _keys.u32(i), chunk, db=self._db[b"chunks"])
+            self._index_add(txn, mid, hashes, n, ekey, trimmable)
+            txn.put(ekey, _F64.pack(now), db=self._db[b"used"])
+            txn.put(eid.encode(), ekey, db=self._db[b"ids"])
+            self._flush_in(txn)
+            # The manifest goes last: an entry is visible whole or not at all.
+            txn.put(ekey, manifest, db=self._db[b"entries"])
+
+        self.env.write(write)
+        return EntryInfo(
+            id=eid,
+            model=model,
+            model_name=model_name_of(model),
+            n_tokens=n,
+            kinds=tuple(r["kind"] for r in records),
+            nbytes=payload,
+            created=_utc(now),
+            last_used=_utc(now),
+            trimmable=trimmable,
+            meta=dict(meta or {}),
+        )
+
+    def _index_add(self, txn, mid: bytes, hashes: np.ndarray, n: int, ekey: bytes, trimmable: bool) -> None:
+        nodes = self._db[b"nodes"]
+        last = n // _keys.BLOCK
+        for k in range(last + 1):
+            nk = _keys.node_key(mid, hashes[k * _keys.BLOCK], k)
+            raw = txn.get(nk, db=nodes)
+            node = _load_node(raw)
+            node["count"] += 1
+            if trimmable and n > k * _keys.BLOCK:
+                node["reps"] = [ekey] + [r for r in node["reps"] if r != ekey][: _MAX_REPS - 1]
+            txn.put(nk, msgpack.packb(node, use_bin_type=True), db=nodes)
+        nk = _keys.node_key(mid, hashes[last * _keys.BLOCK], last)
+        txn.put(nk, _keys.end_value(n, hashes[n], ekey), db=self._db[b"ends"], dupdata=True)
+
+    def _index_remove(self, txn, mid: bytes, hashes: np.ndarray, n: int, ekey: bytes) -> None:
+        nodes = self._db[b"nodes"]
+        last = n // _keys.BLOCK
+        for k in range(last + 1):
+            nk = _keys.node_key(mid, hashes[k * _keys.BLOCK], k)
+            raw = txn.get(nk, db=nodes)
+            if raw is None:
+                continue
+            node = _load_node(raw)
+            node["count"] -= 1
+            node["reps"] = [r for r in node["reps"] if r != ekey]
+            if node["count"] <= 0:
+                txn.delete(nk, db=nodes)
+            else:
+                txn.put(nk, msgpack.packb(node, use_bin_type=True), db=nodes)
+        nk = _keys.node_key(mid, hashes[last * _keys.BLOCK], last)
+        txn.delete(nk, _keys.end_value(n, hashes[n], ekey), db=self._db[b"ends"])
+
+    def _unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> None:
+        """Remove an entry's chunks, index records and bookkeeping."""
+        cur = txn.cursor(db=self._db[b"chunks"])
+        if cur.set_range(ekey):
+            while cur.key()[:36] == ekey:
+                if not cur.delete():
+                    break
+        if raw_manifest is not None:
+            try:
+                man = _entry.unpack_manifest(bytes(raw_manifest), _keys.entry_id(ekey))
+                self._index_remove(txn, ekey[:16], _keys.prefix_hashes(man.tokens), len(man.tokens), ekey)
+            except PromptStoreError:
+                pass  # damaged manifest: its index records become harmless dead ends
+        txn.delete(ekey, db=self._db[b"used"])
+        txn.delete(_keys.entry_id(ekey).encode(), db=self._db[b"ids"])
+        txn.delete(ekey, db=self._db[b"entries"])
+
+    def delete(self, model: str, tokens: Sequence[int]) -> bool:
+        """Delete the entry of exactly ``tokens``; True when one existed."""
+        ekey = _keys.entry_key(_keys.model_id(model), _keys.as_tokens(tokens))
+        return self._delete_keys([ekey]) == 1
+
+    def remove(self, key: str) -> EntryInfo:
+        """Delete an entry by id (or unique id prefix) and return what it was.
+
+        Raises:
+            EntryNotFound: no entry, or the prefix is ambiguous.
+        """
+        info = self.info(key)
+        with self.env.read() as txn:
+            ekey = bytes(txn.get(info.id.encode(), db=self._db[b"ids"]))
+        self._delete_keys([ekey])
+        return info
+
+    def _delete_keys(self, ekeys: Sequence[bytes]) -> int:
+        def write(txn) -> int:
+            done = 0
+            for ekey in ekeys:
+                raw = txn.get(ekey, db=self._db[b"entries"])
+                if raw is None:
+                    continue
+                self._unlink(txn, ekey, raw)
+                done += 1
+            return done
+
+        with self._lock:
+            for ekey in ekeys:
+                self._touched.pop(ekey, None)
+        return self.env.write(write)
+
+    # -- reading ---------------------------------------------------------------
+
+    def _manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
+        raw = txn.get(ekey, db=self._db[b"entries"])
+        if raw is None:
+            return None
+        return _entry.unpack_manifest(bytes(raw), f"{self.path} entry {_keys.entry_id(ekey)}")
+
+    def _restore(self, txn, ekey: bytes, man: _entry.Manifest) -> List[Any]:
+        where = f"{self.path} entry {man.entry_id}"
+        chunks = self._db[b"chunks"]
+        arrays = _entry.read_arrays(man, lambda i: txn.get(ekey + _keys.u32(i), db=chunks), where)
+        return _entry.decode_layers(man, arrays, where)
+
+    def _info(self, txn, ekey: bytes, man: _entry.Manifest) -> EntryInfo:
+        raw = txn.get(ekey, db=self._db[b"used"])
+        used = _F64.unpack(bytes(raw))[0] if raw is not None and len(raw) == 8 else man.created
+        return EntryInfo(
+            id=man.entry_id,
+            model=man.model,
+            model_name=man.model_name,
+            n_tokens=len(man.tokens),
+            kinds=man.kinds,
+            nbytes=man.payload,
+            created=_utc(man.created),
+            last_used=_utc(max(used, self._touched.get(ekey, 0.0))),
+            trimmable=man.trimmable,
+            meta=man.meta,
+        )
+
+    def get(self, model: str, tokens: Sequence[int]) -> Optional[List[Any]]:
+        """The stored cache of exactly ``tokens``, or None.
+
+        Raises:
+            CorruptEntry: the entry is damaged (nothing is returned).
+            UnknownStorageKind, UnsupportedVersion: written by a newer promptstore.
+            ModelMismatch: the entry's recorded identity is not ``model``.
+        """
+        hit = self._get_exact(model, _keys.as_tokens(tokens))
+        return None if hit is None else hit.cache
+
+    def _get_exact(self, model: str, toks: np.ndarray) -> Optional[Hit]:
+        ekey = _keys.entry_key(_keys.model_id(model), toks)
+        with self.env.read(buffers=True) as txn:
+            man = self._manifest(txn, ekey)
+            if man is None:
+                self._count("misses")
+                return None
+            self._check_entry(man, model, toks, len(toks))
+            cache = self._restore(txn, ekey, man)
+            info = self._info(txn, ekey, man)
+        self._touch(ekey)
+        self._count("hits")
+        return Hit(cache, len(toks), info)
+
+    def _check_entry(self, man: _entry.Manifest, model: str, toks: np.ndarray, n: int) -> None:
+        if man.model != model:
+            raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
+        if len(man.tokens) != n or not np.array_equal(man.tokens, toks[:n]):
+            raise CorruptEntry(f"{self.path} entry {man.entry_id}: stored tokens do not match its key")
+
+    def lookup(self, model: str, tokens: Sequence[int]) -> Optional[Hit]:
+        """The longest usable stored prefix of ``tokens``, restored.
+
+        An entry whose tokens are a prefix of the query is usable as is; a
+        longer entry whose layers are all trimmable is trimmed down to the
+        common prefix. Recurrent entries match only at their exact length.
+        Damaged candidates are logged and skipped.
+
+        Returns:
+            A Hit (``matched`` tokens are covered by ``hit.cache``; the
+            caller prefills ``tokens[hit.matched:]``), or None.
+        """
+        mid = _keys.model_id(model)
+        toks = _keys.as_tokens(tokens)
+        hashes = _keys.prefix_hashes(toks)
+        with self.env.read(buffers=True) as txn:
+            for ekey, matched, man in self._candidates(txn, mid, toks, hashes):
+                try:
+                    if man.model != model:
+                        raise ModelMismatch(f"entry {man.entry_id} belongs to {man.model!r}, not {model!r}")
+                    cache = self._restore(txn, ekey, man)
+                except PromptStoreError as err:
+                    log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
+                    continue
+                trimmed = len(man.tokens) - matched
+                if trimmed:
+                    _trim(cache, trimmed)
+                info = self._info(txn, ekey, man)
+                self._touch(ekey)
+                self._count("hits")
+                return Hit(cache, matched, info, trimmed)
+        self._count("misses")
+        return None
+
+    def _candidates(self, txn, mid: bytes, toks: np.ndarray, hashes: np.ndarray) -> Iterator[Tuple[bytes, int, _entry.Manifest]]:
+        """Candidates best first: ``(entry key, tokens usable, manifest)``."""
+        nodes, ends = self._db[b"nodes"], self._db[b"ends"]
+        L = len(toks)
+        B = _keys.BLOCK
+
+        def node(k: int):
+            return txn.get(_keys.node_key(mid, hashes[k * B], k), db=nodes)
+
+        lo, hi = 0, L // B
+        if node(0) is None:
+            return
+        while lo < hi:  # deepest k with a node: nodes are prefix-closed
+            mid_k = (lo + hi + 1) // 2
+            if node(mid_k) is not None:
+                lo = mid_k
+            else:
+                hi = mid_k - 1
+        deepest = lo
+        exact: List[Tuple[int, bytes, _entry.Manifest]] = []
+        cur = txn.cursor(db=ends)
+        for k in range(deepest, -1, -1):
+            nk = _keys.node_key(mid, hashes[k * B], k)
+            if not cur.set_key(nk):
+                continue
+            if cur.set_range_dup(nk, _keys.u32(L + 1)):
+                more = cur.prev_dup()
+            else:
+                more = cur.last_dup()
+            while more:
+                n, h, ekey = _keys.parse_end(bytes(cur.value()))
+                if n <= L and h == int(hashes[n]):
+                    man = self._safe_manifest(txn, ekey)
+                    if man is not None and len(man.tokens) == n and np.array_equal(man.tokens, toks[:n]):
+                        exact.append((n, ekey, man))
+                        break
+                more = cur.prev_dup()
+            if exact:
+                break
+        best = exact[0][0] if exact else 0
+        trim: List[Tuple[int, bytes, _entry.Manifest]] = []
+        raw = node(deepest)
+        for ekey in _load_node(raw)["reps"] if raw is not None else []:
+            man = self._safe_manifest(txn, ekey)
+            if man is None or not man.trimmable:
+                continue
+            m = min(len(man.tokens), L)
+            same = man.tokens[:m] == toks[:m]
+            c = m if same.all() else int(np.argmin(same))
+            if c > best:
+                trim.append((c, ekey, man))
+        for c, ekey, man in sorted(trim, key=lambda t: -t[0]):
+            yield ekey, c, man
+        for n, ekey, man in exact:
+            yield ekey, n, man
+
+    def _safe_manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
+        try:
+            return self._manifest(txn, ekey)
+        except PromptStoreError as err:
+            log.warning("promptstore: skipping entry %s: %s", _keys.entry_id(ekey), err)
+            return None
+
+    # -- inspection --------------------------------------------------------------
+
+    def _resolve(self, txn, key: str) -> bytes:
+        if not isinstance(key, str) or not key or len(key) > 16 or any(c not in "0123456789abcdef" for c in key.lower()):
+            raise EntryNotFound(f"{key!r} is not an entry id (16 hex digits, or a unique prefix)")
+        prefix = key.lower().encode()
+        cur = txn.cursor(db=self._db[b"ids"])
+        found = []
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if not bytes(k).startswith(prefix) or len(found) > 1:
+                    break
+                found.append(bytes(v))
+        if not found:
+            raise EntryNotFound(f"{self.path}: no entry {key!r}; `promptstore ls` lists the ids")
+        if len(found) > 1:
+            raise EntryNotFound(f"{self.path}: {key!r} is ambiguous; give more digits of the id")
+        return found[0]
+
+    def info(self, key: str) -> EntryInfo:
+        """EntryInfo of the entry with id (or unique id prefix) ``key``."""
+        with self.env.read() as txn:
+            ekey = self._resolve(txn, key)
+            man = self._manifest(txn, ekey)
+            if man is None:
+                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
+            return self._info(txn, ekey, man)
+
+    def load(self, key: str, model: Optional[str] = None) -> Tuple[List[Any], EntryInfo, List[int]]:
+        """Restore an entry by id: ``(cache, info, tokens)``.
+
+        Raises:
+            EntryNotFound: no such id.
+            ModelMismatch: ``model`` is given and the entry belongs to another.
+            CorruptEntry, UnknownStorageKind, UnsupportedVersion.
+        """
+        with self.env.read(buffers=True) as txn:
+            ekey = self._resolve(txn, key)
+            man = self._manifest(txn, ekey)
+            if man is None:
+                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
+            if model is not None and man.model != model:
+                raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
+            cache = self._restore(txn, ekey, man)
+            info = self._info(txn, ekey, man)
+        self._touch(ekey)
+        return cache, info, man.tokens.tolist()
+
+    def entries(self, model: Optional[str] = None) -> Iterator[EntryInfo]:
+        """EntryInfo of every readable entry (of ``model`` when given).
+
+        Entries whose manifest is damaged are skipped with a warning; run
+        :meth:`verify` to list them.
+        """
+        mid = _keys.model_id(model) if model is not None else None
+        with self.env.read() as txn:
+            cur = txn.cursor(db=self._db[b"entries"])
+            found = []
+            if mid is None:
+                it = iter(cur) if cur.first() else iter(())
+            else:
+                it = iter(cur) if cur.set_range(mid) else iter(())
+            for k, raw in it:
+                k = bytes(k)
+                if mid is not None and k[:16] != mid:
+                    break
+                try:
+                    man = _entry.unpack_manifest(bytes(raw), f"{self.path} entry {_keys.entry_id(k)}")
+                except PromptStoreError as err:
+                    log.warning("promptstore: %s (run `promptstore verify`)", err)
+                    continue
+                found.append(self._info(txn, k, man))
+        return iter(found)
+
+    def tokens(self, key: str) -> List[int]:
+        """The token ids of the entry with id (or unique prefix) ``key``."""
+        with self.env.read() as txn:
+            man = self._manifest(txn, self._resolve(txn, key))
+            if man is None:
+                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
+            return man.tokens.tolist()
+
+    def counters(self) -> Dict[str, int]:
+        """Hits and misses recorded by every process (after their flush)."""
+        self.flush()
+        out = {}
+        with self.env.read() as txn:
+            for what in ("hits", "misses"):
+                raw = txn.get(b"stat:" + what.encode(), db=self._db[b"info"])
+                out[what] = _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
+        return out
+
+    def file_size(self) -> int:
+        """Bytes the LMDB data file takes on disk (it never shrinks by itself)."""
+        return (self.path / "data.mdb").stat().st_size
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """Check every manifest and checksum; with ``fix``, delete what is broken.
+
+        Returns:
+            A VerifyReport listing each damaged entry and orphaned chunks.
+        """
+        problems: List[Tuple[str, str]] = []
+        bad: List[bytes] = []
+        live = set()
+        checked = 0
+        with self.env.read() as txn:
+            keys = [bytes(k) for k in txn.cursor(db=self._db[b"entries"]).iternext(keys=True, values=False)]
+        for ekey in keys:
+            checked += 1
+            eid = _keys.entry_id(ekey)
+            try:
+                with self.env.read(buffers=True) as txn:
+                    man = self._manifest(txn, ekey)
+                    if man is None:
+                        continue
+                    live.add(ekey)
+                    if man.entry_id != eid or _keys.model_id(man.model) != ekey[:16] or _keys.entry_key(ekey[:16], man.tokens) != ekey:
+                        raise CorruptEntry(f"entry {eid}: manifest does not match its key")
+                    self._restore(txn, ekey, man)
+            except PromptStoreError as err:
+                problems.append((eid, str(err)))
+                bad.append(ekey)
+        orphans: List[bytes] = []
+        with self.env.read() as txn:
+            cur = txn.cursor(db=self._db[b"chunks"])
+            for k in cur.iternext(keys=True, values=False):
+                k = bytes(k)
+                if k[:36] not in live and k[:36] not in bad:
+                    orphans.append(k)
+        if fix and (bad or orphans):
+            def write(txn) -> None:
+                for ekey in bad:
+                    self._unlink(txn, ekey, None)
+                for k in orphans:
+                    txn.delete(k, db=self._db[b"chunks"])
+                self._rebuild_index(txn)
+
+            self.env.write(write)
+        return VerifyReport(checked, tuple(problems), len(orphans), fix)
+
+    def _rebuild_index(self, txn) -> None:
+        """Rebuild nodes and ends from the intact manifests."""
+        txn.drop(self._db[b"nodes"], delete=False)
+        txn.drop(self._db[b"ends"], delete=False)
+        for k, raw in list(txn.cursor(db=self._db[b"entries"])):
+            k = bytes(k)
+            try:
+                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(k))
+            except PromptStoreError:
+                continue
+            self._index_add(txn, k[:16], _keys.prefix_hashes(man.tokens), len(man.tokens), k, man.trimmable)
+
+
+def _load_node(raw) -> Dict[str, Any]:
+    if raw is None:
+        return {"count": 0, "reps": []}
+    try:
+        node = msgpack.unpackb(bytes(raw), raw=False)
+        if isinstance(node, dict) and isinstance(node.get("count"), int) and isinstance(node.get("reps"), list):
+            node["reps"] = [bytes(r) for r in node["reps"] if isinstance(r, bytes) and len(r) == 36]
+            return node
+    except Exception:
+        pass
+    return {"count": 1, "reps": []}  # damaged node: keep it existing, drop its hints
+
+
+def _trim(cache: List[Any], n: int) -> None:
+    """Trim every layer by ``n`` tokens; plain KV layers also drop the trimmed
+    positions so their memory is not kept alive."""
+    for layer in cache:
+        layer.trim(n)
+        if type(layer) is KVCache and layer.keys is not None:
+            layer.keys = layer.keys[..., : layer.offset, :]
+            layer.values = layer.values[..., : layer.offset, :]
+        elif type(layer) is QuantizedKVCache and layer.keys is not None:
+            layer.keys = tuple(x[..., : layer.offset, :] for x in layer.keys)
+            layer.values = tuple(x[..., : layer.offset, :] for x in layer.values)
