@@ -5,6 +5,8 @@ One module per command; each registers itself on the group in ``main``.
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 from promptstore.cli._common import Ctx
@@ -27,12 +29,14 @@ def main(ctx: click.Context, store_path):
     ctx.call_on_close(ctx.obj.close)
 
 
-from promptstore.cli import get as _get  # noqa: E402
-from promptstore.cli import ls as _ls  # noqa: E402
-from promptstore.cli import put as _put  # noqa: E402
+# One module per command: (module name, click command attribute). Add a line per new command.
+COMMANDS = (
+    ("put", "put"),
+    ("get", "get"),
+    ("ls", "ls"),
+)
 
-main.add_command(_put.put)
-main.add_command(_get.get)
-main.add_command(_ls.ls)
+for _module, _attr in COMMANDS:
+    main.add_command(getattr(importlib.import_module(f"promptstore.cli.{_module}"), _attr))
 
 __all__ = ["main"]

@@ -1,0 +1,58 @@
+"""Shared fixtures: a store on tmp_path, the fixture models, prefill helpers."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from promptstore import PromptStore, fingerprint
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "fixtures" / "models"
+MODEL_NAMES = ("llama", "qwen3_next", "qwen3_5", "gemma3_text")
+HYBRIDS = ("qwen3_next", "qwen3_5")
+
+
+@functools.lru_cache(maxsize=None)
+def load_fixture(name: str):
+    """``(model, tokenizer, fingerprint, path)`` of a fixture model, loaded once per session."""
+    from mlx_lm import load
+
+    path = MODELS / name
+    model, tokenizer = load(str(path))
+    return model, tokenizer, fingerprint(path), path
+
+
+def sample_tokens(n: int, seed: int = 0, vocab: int = 500) -> list:
+    """Deterministic token ids in [3, vocab) (skipping the fixture's special tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def greedy(model, cache, first_logits, steps: int):
+    """Continue greedily; return the tokens and the logits of every step."""
+    toks, logits = [], []
+    y = mx.argmax(first_logits[:, -1, :], axis=-1)
+    for _ in range(steps):
+        out = model(y[:, None], cache=cache)
+        mx.eval(out)
+        logits.append(out)
+        toks.append(int(y.item()))
+        y = mx.argmax(out[:, -1, :], axis=-1)
+    return toks, logits
+
+
+@pytest.fixture
+def store(tmp_path):
+    with PromptStore(tmp_path / "store") as s:
+        yield s
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return tmp_path / "store"
