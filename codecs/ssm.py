@@ -1,0 +1,95 @@
+"""``ssm.gated_delta``: promptstore's SSMCache (gated-DeltaNet conv + recurrent state).
+
+Encoding folds pending rows of a rolled-back speculative round first, so the
+entry holds exactly the accepted state, and refuses a cache whose round is
+still open. Meta: per-row ``offsets``, whether the two slots are present, and
+the batch bookkeeping (``left_padding``, ``lengths``) when set.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from promptstore.codecs._registry import Codec, array, register, require
+from promptstore.errors import CorruptEntry
+from promptstore.ssm import SSMCache
+
+_MAX_ROWS = 1 << 16
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+class SSMCodec(Codec):
+    kind = SSMCache.storage_kind
+    version = 1
+    types = (SSMCache,)
+
+    def encode(self, layer):
+        layer.check_persistable()
+        conv, state = layer[0], layer[1]  # slot reads fold pending rows
+        arrays = {}
+        if conv is not None:
+            arrays["conv"] = conv
+        if state is not None:
+            arrays["state"] = state
+        meta = {
+            "offsets": layer.offsets,
+            "conv": conv is not None,
+            "state": state is not None,
+            "left_padding": _list(layer.left_padding),
+            "lengths": _list(layer.lengths),
+        }
+        return arrays, meta
+
+    def decode(self, arrays, meta, version):
+        kind = self.kind
+        offsets = require(meta, "offsets", list, kind)
+        if not 1 <= len(offsets) <= _MAX_ROWS or not all(_nonneg_int(o) for o in offsets):
+            raise CorruptEntry(f"kind {kind!r}: meta field 'offsets' is malformed")
+        rows = len(offsets)
+        has_conv = require(meta, "conv", bool, kind)
+        has_state = require(meta, "state", bool, kind)
+        if has_conv != has_state:
+            raise CorruptEntry(f"kind {kind!r}: conv and recurrent state must be stored together")
+        if not has_conv and any(offsets):
+            raise CorruptEntry(f"kind {kind!r}: offsets {offsets} but no state stored")
+        padding = {}
+        for name in ("left_padding", "lengths"):
+            value = require(meta, name, (list, type(None)), kind)
+            if value is not None and (
+                len(value) != rows or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            ):
+                raise CorruptEntry(f"kind {kind!r}: meta field {name!r} is malformed")
+            padding[name] = value
+        conv = state = None
+        if has_conv:
+            conv = _slot(arrays, "conv", 3, rows, kind)
+            state = _slot(arrays, "state", 4, rows, kind)
+        return SSMCache.from_parts(
+            conv, state, offsets, left_padding=padding["left_padding"], lengths=padding["lengths"]
+        )
+
+    def coverage(self, layer):
+        return layer.offset if layer.batch_size == 1 else None
+
+
+def _slot(arrays, name: str, ndim: int, rows: int, kind: str) -> mx.array:
+    x = array(arrays, name, kind)
+    if not isinstance(x, mx.array) or x.ndim != ndim or x.shape[0] != rows or x.dtype not in _FLOATS:
+        shape = getattr(x, "shape", None)
+        dtype = getattr(x, "dtype", None)
+        raise CorruptEntry(
+            f"kind {kind!r}: array {name!r} has shape {shape} and dtype {dtype}, "
+            f"expected {ndim} dims with {rows} rows of floats"
+        )
+    return x
+
+
+def _nonneg_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _list(x):
+    return None if x is None else x.tolist()
+
+
+register(SSMCodec())

@@ -1,0 +1,566 @@
+"""SSMCache: the recurrent cache of gated-DeltaNet layers (Qwen3-Next, Qwen3.5).
+
+Slot 0 holds the causal-conv state ``[B, K-1, conv_dim]``, slot 1 the
+recurrent state ``[B, Hv, Dv, Dk]`` (float32). The class is a drop-in for
+mlx-lm's ``ArraysCache(size=2)``: mlx-lm's models, ``generate``,
+``stream_generate`` and ``BatchGenerator`` run on it unchanged. On top it keeps
+per-row coverage, compact row moves, and speculative verify rounds for a cache
+that cannot ``trim``:
+
+* ``begin_round()`` before a verify forward; that forward's window call
+  snapshots the pre-round slots (by reference: MLX arrays are immutable) and
+  records its position-local inputs;
+* ``commit()`` on full accept, or ``rollback(keep)`` (an int or one per row):
+  the snapshot comes back and the first ``keep`` recorded positions stay
+  *pending*. Rollback builds no graph;
+* pending positions fold in the next time anything reads the state: a forward,
+  ``state``, a slot read, a row move, or persistence. The fold replays the
+  verify forward's arithmetic, so the result is bit-identical to a fresh
+  forward over the accepted tokens.
+
+Rounds need the recurrence to go through the cache (``recur_window`` /
+``recur_decode``): install the adapter with :func:`adapt`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import make_prompt_cache as _mlx_make_prompt_cache
+
+from promptstore import _ssm_recur as _recur
+from promptstore._ssm_adapter import adapt, is_gated_delta_layer, unadapt
+from promptstore.errors import InvalidInput, PromptStoreError
+
+__all__ = ["SSMCache", "RoundError", "make_prompt_cache", "adapt", "unadapt"]
+
+
+class RoundError(PromptStoreError):
+    """A speculative round was used out of order.
+
+    Raised for ``commit``/``rollback`` without ``begin_round``, a second window
+    call in one round, a row move or persistence while a round is open, and a
+    slot written behind the cache's back during a round (install the adapter).
+    """
+
+
+Keep = Union[int, Sequence[int]]
+
+
+@dataclass
+class _Round:
+    """An open round: the pre-round snapshot (taken at the first call) and the record."""
+
+    started: bool = False
+    window: bool = False
+    slots: List[Optional[mx.array]] = field(default_factory=list)
+    offsets: List[int] = field(default_factory=list)
+    left_padding: Optional[List[int]] = None
+    chunks: List[_recur.Chunk] = field(default_factory=list)
+    n_keep: int = 0
+    use_kernel: bool = True
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Recorded positions left to fold into the restored snapshot."""
+
+    chunks: List[_recur.Chunk]
+    keeps: List[int]
+    n_keep: int
+    use_kernel: bool
+
+
+class SSMCache:
+    """Recurrent cache of one gated-DeltaNet layer, serial (B=1) or batched.
+
+    Args:
+        left_padding: per-row left padding of a batch (as for ArraysCache);
+            None for a serial cache.
+    """
+
+    storage_kind = "ssm.gated_delta"
+
+    def __init__(self, left_padding: Optional[List[int]] = None):
+        self._slots: List[Optional[mx.array]] = [None, None]
+        self._offsets: List[int] = [0] * (len(left_padding) if left_padding else 1)
+        self._left_padding: Optional[List[int]] = list(left_padding) if left_padding else None
+        self._lengths: Optional[List[int]] = None
+        self._round: Optional[_Round] = None
+        self._pending: Optional[_Pending] = None
+
+    # -- coverage --------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return len(self._offsets)
+
+    @property
+    def offset(self) -> int:
+        """Tokens absorbed by a serial cache.
+
+        Raises:
+            InvalidInput: the cache holds more than one row (use ``row_offset``).
+        """
+        if len(self._offsets) != 1:
+            raise InvalidInput(
+                f"SSMCache.offset is defined on a serial cache; this one holds "
+                f"{len(self._offsets)} rows: use row_offset(i)"
+            )
+        return self._offsets[0]
+
+    @property
+    def offsets(self) -> List[int]:
+        """Tokens absorbed by each row."""
+        return list(self._offsets)
+
+    def row_offset(self, i: int) -> int:
+        """Tokens absorbed by row ``i``.
+
+        Raises:
+            InvalidInput: no row ``i``.
+        """
+        if not isinstance(i, int) or not -len(self._offsets) <= i < len(self._offsets):
+            raise InvalidInput(f"row {i!r} out of range for a batch of {len(self._offsets)}")
+        return self._offsets[i]
+
+    def bytes_per_token(self) -> int:
+        """0: the recurrent state does not grow with the sequence."""
+        return 0
+
+    # -- ArraysCache protocol --------------------------------------------------
+
+    def __getitem__(self, idx: int) -> Optional[mx.array]:
+        self._fold()
+        return self._slots[idx]
+
+    def __setitem__(self, idx: int, value: Optional[mx.array]) -> None:
+        if self._round is not None:
+            raise RoundError(
+                "a slot of an SSMCache was written during an open round, so the round "
+                "cannot be recorded: install the adapter with promptstore.ssm.adapt(model)"
+            )
+        self._fold()
+        self._slots[idx] = value
+
+    @property
+    def cache(self) -> List[Optional[mx.array]]:
+        """The two slots (folded), as ArraysCache exposes them."""
+        self._fold()
+        return list(self._slots)
+
+    @property
+    def lengths(self) -> Optional[mx.array]:
+        return None if self._lengths is None else mx.array(self._lengths)
+
+    @lengths.setter
+    def lengths(self, value) -> None:
+        self._lengths = _as_list(value)
+
+    @property
+    def left_padding(self) -> Optional[mx.array]:
+        return None if self._left_padding is None else mx.array(self._left_padding)
+
+    @left_padding.setter
+    def left_padding(self, value) -> None:
+        self._left_padding = _as_list(value)
+
+    @property
+    def state(self):
+        """``(slots, left_padding, lengths)`` as ArraysCache; folds pending rows first."""
+        return self.cache, self.left_padding, self.lengths
+
+    @state.setter
+    def state(self, v) -> None:
+        # mlx-lm's state protocol carries no coverage: offsets survive only
+        # when the batch size is unchanged.
+        slots, left_padding, lengths = v
+        self._round = self._pending = None
+        self._slots = list(slots)
+        self._left_padding = _as_list(left_padding)
+        self._lengths = _as_list(lengths)
+        b = next((s.shape[0] for s in self._slots if s is not None), None)
+        if b is not None and b != len(self._offsets):
+            self._offsets = [0] * b
+
+    @classmethod
+    def from_parts(
+        cls,
+        conv: Optional[mx.array],
+        state: Optional[mx.array],
+        offsets: Sequence[int],
+        *,
+        left_padding: Optional[List[int]] = None,
+        lengths: Optional[List[int]] = None,
+    ) -> "SSMCache":
+        """A cache from its slots and per-row coverage (what a codec restores).
+
+        Raises:
+            InvalidInput: offsets are not non-negative ints, the slots disagree
+                with the number of rows, or only one slot is given.
+        """
+        offsets = list(offsets)
+        if not offsets or not all(_is_int(o) and o >= 0 for o in offsets):
+            raise InvalidInput(f"SSMCache.from_parts: malformed offsets {offsets!r}")
+        if (conv is None) != (state is None):
+            raise InvalidInput("SSMCache.from_parts: conv and recurrent state go together")
+        for s in (conv, state):
+            if s is not None and s.shape[0] != len(offsets):
+                raise InvalidInput(
+                    f"SSMCache.from_parts: a slot holds {s.shape[0]} rows, offsets {len(offsets)}"
+                )
+        cache = cls()
+        cache._slots = [conv, state]
+        cache._offsets = offsets
+        cache._left_padding = _as_list(left_padding)
+        cache._lengths = _as_list(lengths)
+        return cache
+
+    @classmethod
+    def from_state(cls, state) -> "SSMCache":
+        obj = cls()
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        """False: a recurrent state cannot drop tokens; use rounds instead."""
+        return False
+
+    def size(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        """True before the first forward."""
+        self._fold()
+        return self._slots[0] is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two slots."""
+        self._fold()
+        return sum(s.nbytes for s in self._slots if s is not None)
+
+    def prepare(self, lengths=None, **kwargs) -> None:
+        """Set per-row real lengths of the coming right-padded prefill."""
+        self._lengths = _as_list(lengths)
+
+    def finalize(self) -> None:
+        self._lengths = None
+        self._left_padding = None
+
+    def advance(self, N: int) -> None:
+        """Account ``N`` window positions: each row's offset grows by its real count."""
+        self._offsets = [o + n for o, n in zip(self._offsets, self._real_counts(N))]
+        if self._lengths is not None:
+            self._lengths = [x - N for x in self._lengths]
+        if self._left_padding is not None:
+            self._left_padding = [x - N for x in self._left_padding]
+
+    def make_mask(self, N: int) -> Optional[mx.array]:
+        pos = mx.arange(N)
+        mask = None
+        if self._left_padding is not None:
+            mask = pos >= self.left_padding[:, None]
+        if self._lengths is not None:
+            in_length = pos < self.lengths[:, None]
+            mask = in_length if mask is None else (mask & in_length)
+        return mask
+
+    def _real_counts(self, N: int) -> List[int]:
+        lp = self._left_padding or [0] * len(self._offsets)
+        ln = self._lengths or [N] * len(self._offsets)
+        return [max(0, min(N, n) - max(0, p)) for p, n in zip(lp, ln)]
+
+    # -- row moves ---------------------------------------------------------------
+
+    def filter(self, batch_indices) -> None:
+        """Keep only the rows ``batch_indices``, in place."""
+        self._check_no_round("filter")
+        self._fold()
+        rows = _as_list(batch_indices)
+        idx = mx.array(rows, dtype=mx.int32)
+        self._slots = [None if s is None else mx.take(s, idx, axis=0) for s in self._slots]
+        self._offsets = [self._offsets[i] for i in rows]
+        if self._left_padding is not None:
+            self._left_padding = [self._left_padding[i] for i in rows]
+        if self._lengths is not None:
+            self._lengths = [self._lengths[i] for i in rows]
+
+    def extend(self, other: "SSMCache") -> None:
+        """Append ``other``'s rows, in place."""
+        self._check_no_round("extend")
+        other._check_no_round("extend")
+        self._fold()
+        other._fold()
+        a, b = self.batch_size, other.batch_size
+        self._slots = [_cat_rows([x, y], [a, b]) for x, y in zip(self._slots, other._slots)]
+        self._left_padding = _cat_meta(self._left_padding, other._left_padding, a, b, 0)
+        # A row with no length limit reads every position of the window.
+        self._lengths = _cat_meta(self._lengths, other._lengths, a, b, 1 << 30)
+        self._offsets = self._offsets + other._offsets
+
+    def extract(self, idx: int) -> "SSMCache":
+        """Row ``idx`` as a fresh serial cache with compact storage.
+
+        Holding the result keeps none of this batch's arrays alive.
+        """
+        self._check_no_round("extract")
+        self._fold()
+        offset = self.row_offset(idx)
+        rows = mx.array([idx % self.batch_size], dtype=mx.int32)
+        cache = SSMCache()
+        cache._slots = [None if s is None else mx.take(s, rows, axis=0) for s in self._slots]
+        cache._offsets = [offset]
+        return cache
+
+    @classmethod
+    def merge(cls, caches, *more) -> "SSMCache":
+        """Join the rows of several caches into one batch, in order.
+
+        Accepts mlx-lm's form ``merge([c0, c1, ...])`` and the pair form
+        ``merge(prev, solo)`` (``prev`` may be None or hold no rows). The result
+        owns fresh arrays, or takes the arrays of the only cache with rows when
+        there is nothing to concatenate.
+        """
+        parts = ([caches] if isinstance(caches, SSMCache) or caches is None else list(caches))
+        parts = [c for c in parts + list(more) if c is not None]
+        for c in parts:
+            if not isinstance(c, SSMCache):
+                raise InvalidInput(f"SSMCache.merge: cannot merge a {type(c).__name__}")
+            c._check_no_round("merge")
+            c._fold()
+        parts = [c for c in parts if c.batch_size > 0]
+        if not parts:
+            raise InvalidInput("SSMCache.merge: nothing to merge")
+        if all(c.empty() for c in parts):
+            rows = sum(c.batch_size for c in parts)
+            cache = cls(left_padding=[0] * rows)
+            cache._offsets = [o for c in parts for o in c._offsets]
+            return cache
+        cache = cls()
+        if len(parts) == 1:
+            cache._slots = list(parts[0]._slots)
+        else:
+            sizes = [c.batch_size for c in parts]
+            cache._slots = [_cat_rows([c._slots[e] for c in parts], sizes) for e in range(2)]
+        cache._offsets = [o for c in parts for o in c._offsets]
+        return cache
+
+    # -- phase-named recurrence ----------------------------------------------------
+
+    def recur_decode(self, layer: Any, qkv: mx.array, a: mx.array, b: mx.array, mask=None) -> mx.array:
+        """One new position per row: conv step and gated delta rule.
+
+        Args:
+            layer: the gated-DeltaNet block (its conv1d, A_log, dt_bias and head sizes).
+            qkv: the pre-conv q/k/v projection ``[B, 1, conv_dim]``.
+            a, b: the gate projections ``[B, 1, Hv]``.
+            mask: the model's SSM mask ``[B, 1]`` or None.
+
+        Returns:
+            The recurrence output ``[B, 1, Hv, Dv]``.
+
+        Raises:
+            InvalidInput: more than one position was given.
+            RoundError: the open round already holds a verify window.
+        """
+        if qkv.shape[1] != 1:
+            raise InvalidInput(f"recur_decode takes one position per row, got {qkv.shape[1]}")
+        return self._recur(layer, qkv, a, b, mask, window=False)
+
+    def recur_window(self, layer: Any, qkv: mx.array, a: mx.array, b: mx.array, mask=None) -> mx.array:
+        """S positions per row: a prefill chunk or tail, or a verify window.
+
+        With prefill padding prepared, padded positions change neither slot,
+        each row's conv tail ends at its last real position and each row's
+        offset grows by its real count. Inside a round, the pre-round slots are
+        snapshotted and the window's position-local inputs recorded.
+
+        Returns:
+            The recurrence output ``[B, S, Hv, Dv]``.
+
+        Raises:
+            RoundError: a second recorded call in one round that holds a window,
+                or padding prepared during a round.
+        """
+        return self._recur(layer, qkv, a, b, mask, window=True)
+
+    def _recur(self, layer, qkv, a, b, mask, window: bool) -> mx.array:
+        self._fold()
+        rnd = self._round
+        if rnd is not None:
+            self._open_call(rnd, layer, window)
+        S = qkv.shape[1]
+        qkv, conv, conv_out = _recur.conv_step(layer, self._slots[0], qkv, mask, self.lengths)
+        q, k, v, g, beta = _recur.heads(layer, conv_out, a, b)
+        use_kernel = not layer.training
+        y, state = _recur.recurrence(q, k, v, g, beta, self._slots[1], mask, use_kernel)
+        self._slots = [conv, state]
+        if rnd is not None:
+            rnd.chunks.append(_recur.Chunk(qkv, q, k, v, g, beta, mask))
+            rnd.use_kernel = use_kernel
+        self.advance(S)
+        return y
+
+    # -- speculative rounds ------------------------------------------------------
+
+    @property
+    def in_round(self) -> bool:
+        """True between ``begin_round()`` and ``commit()``/``rollback()``."""
+        return self._round is not None
+
+    @property
+    def has_pending(self) -> bool:
+        """True while accepted positions of a rolled-back round wait to be folded."""
+        return self._pending is not None
+
+    def begin_round(self) -> None:
+        """Open a verify round: the next window call is recorded.
+
+        Raises:
+            RoundError: a round is already open.
+        """
+        if self._round is not None:
+            raise RoundError("begin_round: a round is already open; commit() or rollback() it first")
+        self._round = _Round()
+
+    def commit(self) -> None:
+        """Accept every position of the open round.
+
+        Raises:
+            RoundError: no round is open.
+        """
+        if self._round is None:
+            raise RoundError("commit without begin_round")
+        self._round = None
+
+    def rollback(self, keep: Keep) -> None:
+        """Restore the pre-round slots and leave the first ``keep`` positions pending.
+
+        Args:
+            keep: accepted positions, one int for every row or one per row, each
+                in ``[0, S]`` where S is the number of recorded positions.
+
+        Raises:
+            RoundError: no round is open.
+            InvalidInput: a keep is not an int, outside ``[0, S]``, or the list
+                length differs from the batch size. The round stays open.
+        """
+        rnd = self._round
+        if rnd is None:
+            raise RoundError("rollback without begin_round")
+        keeps = self._keeps(keep, rnd.length)
+        self._round = None
+        if not rnd.started or all(k == rnd.length for k in keeps):
+            return  # nothing recorded, or everything accepted: the live slots stand
+        self._slots = rnd.slots
+        self._offsets = [o + k for o, k in zip(rnd.offsets, keeps)]
+        if rnd.left_padding is not None:
+            self._left_padding = [p - k for p, k in zip(rnd.left_padding, keeps)]
+        if any(keeps):
+            self._pending = _Pending(rnd.chunks, keeps, rnd.n_keep, rnd.use_kernel)
+
+    def check_persistable(self) -> None:
+        """Raise RoundError when a round is open (its outcome is not decided)."""
+        if self._round is not None:
+            raise RoundError(
+                "cannot persist an SSMCache while a speculative round is open: "
+                "commit() or rollback() it first"
+            )
+
+    def _keeps(self, keep: Keep, S: int) -> List[int]:
+        B = self.batch_size
+        if isinstance(keep, mx.array):
+            keep = keep.tolist()
+        keeps = [keep] * B if _is_int(keep) else keep
+        if not isinstance(keeps, (list, tuple)) or len(keeps) != B:
+            raise InvalidInput(f"rollback: keep must be an int or a list of {B} ints, got {keep!r}")
+        for k in keeps:
+            if not _is_int(k) or not 0 <= k <= S:
+                raise InvalidInput(
+                    f"rollback: keep {k!r} is outside [0, {S}] (the round recorded {S} positions)"
+                )
+        return [int(k) for k in keeps]
+
+    def _open_call(self, rnd: _Round, layer: Any, window: bool) -> None:
+        if rnd.window or (window and rnd.chunks):
+            raise RoundError(
+                "a second recurrence call in a round that holds a verify window: "
+                "commit() or rollback() before the next forward"
+            )
+        if self._lengths is not None or any(p > 0 for p in (self._left_padding or [])):
+            raise RoundError("rounds take no prefill padding: finalize() the prefill before begin_round()")
+        if not rnd.started:
+            rnd.started = True
+            rnd.slots = list(self._slots)
+            rnd.offsets = list(self._offsets)
+            rnd.left_padding = None if self._left_padding is None else list(self._left_padding)
+            rnd.n_keep = layer.conv_kernel_size - 1
+        rnd.window = window
+
+    def _check_no_round(self, what: str) -> None:
+        if self._round is not None:
+            raise RoundError(f"{what}: a speculative round is open; commit() or rollback() it first")
+
+    def _fold(self) -> None:
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        conv, state = _recur.fold(self._slots[0], self._slots[1], p.chunks, p.keeps, p.n_keep, p.use_kernel)
+        self._slots = [conv, state]
+
+    def __repr__(self) -> str:
+        return f"SSMCache(rows={self.batch_size}, offsets={self._offsets}, in_round={self.in_round})"
+
+
+def make_prompt_cache(model: Any, max_kv_size: Optional[int] = None) -> List[Any]:
+    """mlx-lm's prompt cache for ``model``, with SSMCache in its gated-DeltaNet layers.
+
+    Every other layer keeps mlx-lm's own cache class. The model is not modified;
+    call :func:`adapt` to route the recurrence through the caches (needed for
+    speculative rounds).
+    """
+    cache = _mlx_make_prompt_cache(model, max_kv_size=max_kv_size)
+    layers = list(getattr(model, "layers", []))
+    if len(layers) != len(cache):
+        return cache
+    return [
+        SSMCache() if type(c) is ArraysCache and is_gated_delta_layer(layer) else c
+        for c, layer in zip(cache, layers)
+    ]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_list(value) -> Optional[List[int]]:
+    if value is None:
+        return None
+    if isinstance(value, mx.array):
+        return value.tolist()
+    return [int(x) for x in value]
+
+
+def _cat_rows(xs: List[Optional[mx.array]], sizes: List[int]) -> Optional[mx.array]:
+    """Concatenate row blocks; an absent block reads as zeros (a fresh state)."""
+    ref = next((x for x in xs if x is not None), None)
+    if ref is None:
+        return None
+    full = [mx.zeros((n,) + ref.shape[1:], ref.dtype) if x is None else x for x, n in zip(xs, sizes)]
+    return mx.concatenate(full, axis=0)
+
+
+def _cat_meta(a, b, na: int, nb: int, fill: int):
+    if a is None and b is None:
+        return None
+    return (a if a is not None else [fill] * na) + (b if b is not None else [fill] * nb)
