@@ -28,6 +28,7 @@ from promptstore.codecs import kv_chunked as _kv_chunked  # noqa: F401,E402
 from promptstore.codecs import kv_concat as _kv_concat  # noqa: F401,E402
 from promptstore.codecs import kv_quantized as _kv_quantized  # noqa: F401,E402
 from promptstore.codecs import kv_rotating as _kv_rotating  # noqa: F401,E402
+from promptstore.codecs import ssm as _ssm  # noqa: F401,E402
 
 __all__ = [
     "ALIASES",
