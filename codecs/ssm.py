@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from promptstore.codecs._registry import Codec, array, register, require
-from promptstore.errors import CorruptEntry
+from promptstore.errors import CorruptEntry, CoverageMismatch
 from promptstore.ssm import SSMCache
 
 _MAX_ROWS = 1 << 16
@@ -69,7 +69,17 @@ class SSMCodec(Codec):
         )
 
     def coverage(self, layer):
-        return layer.offset if layer.batch_size == 1 else None
+        """The serial offset.
+
+        Raises:
+            CoverageMismatch: a batch has no single coverage; ``extract(i)`` a row.
+        """
+        if layer.batch_size != 1:
+            raise CoverageMismatch(
+                f"an SSMCache batch of {layer.batch_size} rows covers {layer.offsets} tokens "
+                "per row, not one token list: extract(i) the row to store"
+            )
+        return layer.offset
 
 
 def _slot(arrays, name: str, ndim: int, rows: int, kind: str) -> mx.array:

@@ -1,0 +1,239 @@
+"""Speculative decoding with a draft model, for hybrid (gated-DeltaNet) models too.
+
+mlx-lm refuses speculative decoding on Qwen3-Next / Qwen3.5 because their
+recurrent layers cannot ``trim`` (mlx-lm #1446). Here every layer that cannot
+trim is an :class:`~promptstore.ssm.SSMCache` and takes part in verify rounds:
+``begin_round()`` before the forward whose tokens may be rejected, then
+``commit()`` or ``rollback(keep)``. Trimmable layers (KVCache...) are trimmed as
+in mlx-lm. The target model verifies ``num_draft + 1`` tokens in one window; the
+draft model records its own decode steps in a round of its own.
+
+Invariant: when the generator is exhausted, both caches cover the prompt and
+every yielded token but the last (the same state plain generation leaves). A
+consumer that stops early leaves them covering the whole current round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from promptstore.errors import InvalidInput
+from promptstore.ssm import adapt, make_prompt_cache
+
+__all__ = ["SpeculativeStats", "SpeculativeResult", "speculative_generate_step", "speculative_generate"]
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class SpeculativeStats:
+    """Running counts of one speculative generation (updated in place)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_round: List[Tuple[int, int]] = field(default_factory=list)  # (drafted, accepted)
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted draft tokens / drafted tokens (0.0 before any draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeResult:
+    """What :func:`speculative_generate` produced."""
+
+    tokens: List[int]
+    from_draft: List[bool]
+    rounds: int
+    drafted: int
+    accepted: int
+    per_round: List[Tuple[int, int]]
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted draft tokens / drafted tokens (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def _check_cache(cache: List[Any], which: str) -> None:
+    for i, c in enumerate(cache):
+        if not (c.is_trimmable() or hasattr(c, "begin_round")):
+            raise InvalidInput(
+                f"speculative decoding: layer {i} of the {which} cache is a "
+                f"{type(c).__name__}, which can neither trim nor run verify rounds; "
+                "build the cache with promptstore.ssm.make_prompt_cache(model)"
+            )
+
+
+def _begin(cache: List[Any]) -> None:
+    for c in cache:
+        if not c.is_trimmable():
+            c.begin_round()
+
+
+def _resolve(cache: List[Any], recorded: int, keep: int) -> None:
+    """Keep the first ``keep`` of ``recorded`` positions of the round."""
+    for c in cache:
+        if c.is_trimmable():
+            if recorded > keep:
+                c.trim(recorded - keep)
+        elif keep == recorded:
+            c.commit()
+        else:
+            c.rollback(keep)
+
+
+def _prefill(model: nn.Module, cache: List[Any], y: mx.array, step: int) -> mx.array:
+    """Process all but the last token of ``y``; return the rest."""
+    while y.size > 1:
+        n = min(step, y.size - 1)
+        model(y[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        y = y[n:]
+    return y
+
+
+def speculative_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    draft_model: nn.Module,
+    *,
+    num_draft_tokens: int = 2,
+    max_tokens: int = 256,
+    sampler: Optional[Sampler] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    draft_cache: Optional[List[Any]] = None,
+    prefill_step_size: int = 512,
+    stats: Optional[SpeculativeStats] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Generate tokens speculatively; mlx-lm's ``speculative_generate_step`` contract.
+
+    Both models are adapted (:func:`promptstore.ssm.adapt`, bit-identical) so
+    their gated-DeltaNet layers can run verify rounds.
+
+    Args:
+        prompt: the prompt token ids (1-D), processed on top of the caches.
+        model, draft_model: the target and the draft model (same tokenizer).
+        num_draft_tokens: tokens drafted per round (>= 1).
+        max_tokens: tokens to generate.
+        sampler: maps log-probabilities to tokens; greedy (argmax) by default.
+            A draft token is accepted when the sampled target token equals it.
+        prompt_cache, draft_cache: caches to continue and update in place;
+            fresh ones from :func:`promptstore.ssm.make_prompt_cache` by default.
+        prefill_step_size: prompt tokens per prefill forward.
+        stats: filled with round, drafted and accepted counts as generation runs.
+
+    Yields:
+        ``(token, logprobs, from_draft)`` per generated token.
+
+    Raises:
+        InvalidInput: a bad argument, or a cache layer that can neither trim nor
+            run verify rounds.
+    """
+    if num_draft_tokens < 1:
+        raise InvalidInput(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if prompt.size == 0:
+        raise InvalidInput("speculative decoding needs at least one prompt token")
+    adapt(model)
+    adapt(draft_model)
+    model_cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(draft_model)
+    _check_cache(model_cache, "model")
+    _check_cache(draft_cache, "draft")
+    sampler = sampler or _greedy
+    stats = stats if stats is not None else SpeculativeStats()
+
+    def sample(logits: mx.array) -> Tuple[mx.array, mx.array]:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs), logprobs
+
+    prompt = prompt.astype(mx.uint32)
+    draft_y = _prefill(draft_model, draft_cache, prompt, prefill_step_size)
+    y = _prefill(model, model_cache, prompt, prefill_step_size)
+
+    ntoks = 0
+    while ntoks < max_tokens:
+        num_draft = min(max_tokens - ntoks, num_draft_tokens)
+
+        # Draft: the first step consumes confirmed tokens; the rest are recorded.
+        drafts = []
+        d, _ = sample(draft_model(draft_y[None], cache=draft_cache)[0, -1])
+        drafts.append(d.reshape(1))
+        _begin(draft_cache)
+        for _ in range(num_draft - 1):
+            d, _ = sample(draft_model(drafts[-1][None], cache=draft_cache)[0, -1])
+            drafts.append(d.reshape(1))
+        drafts = mx.concatenate(drafts)
+
+        # Verify all drafts in one window.
+        _begin(model_cache)
+        window = mx.concatenate([y, drafts.astype(mx.uint32)])
+        tokens, logprobs = sample(model(window[None], cache=model_cache)[0])
+        mx.eval(tokens, drafts)
+        tokens, draft_list = tokens.tolist(), drafts.tolist()
+
+        n = 0
+        while n < num_draft and tokens[n] == draft_list[n]:
+            n += 1
+        emit = min(n + 1, max_tokens - ntoks)
+        # Target covers y + emitted[:-1]; the draft as much of that as it has seen.
+        _resolve(model_cache, num_draft + 1, emit)
+        draft_keep = min(emit - 1, num_draft - 1)
+        _resolve(draft_cache, num_draft - 1, draft_keep)
+        stats.rounds += 1
+        stats.drafted += num_draft
+        stats.accepted += n
+        stats.per_round.append((num_draft, n))
+
+        y = mx.array(tokens[emit - 1 : emit], mx.uint32)
+        draft_y = mx.array(tokens[draft_keep:emit], mx.uint32)
+        for j in range(emit):
+            ntoks += 1
+            yield tokens[j], logprobs[j], j < n
+
+
+def speculative_generate(
+    model: nn.Module,
+    draft_model: nn.Module,
+    prompt,
+    *,
+    max_tokens: int = 256,
+    num_draft_tokens: int = 2,
+    **kwargs,
+) -> SpeculativeResult:
+    """Run :func:`speculative_generate_step` to the end and report acceptance.
+
+    Args:
+        prompt: token ids (list or mx.array).
+        kwargs: passed on (sampler, prompt_cache, draft_cache, prefill_step_size).
+
+    Returns:
+        The tokens, which of them came from the draft, and the round counts.
+    """
+    stats = SpeculativeStats()
+    prompt = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
+    tokens, from_draft = [], []
+    for token, _, drafted in speculative_generate_step(
+        prompt,
+        model,
+        draft_model,
+        num_draft_tokens=num_draft_tokens,
+        max_tokens=max_tokens,
+        stats=stats,
+        **kwargs,
+    ):
+        tokens.append(token)
+        from_draft.append(drafted)
+    return SpeculativeResult(
+        tokens, from_draft, stats.rounds, stats.drafted, stats.accepted, list(stats.per_round)
+    )
