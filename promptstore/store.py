@@ -274,6 +274,17 @@ class PromptStore:
             meta=dict(meta or {}),
         )
 
+    def put_row(self, model: str, tokens: Sequence[int], batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
+        """Store row ``row`` of a running batch as a serial entry; the batch is untouched.
+
+        See :func:`promptstore.rows.put_row` (Args, Returns, Raises): the row is
+        extracted compactly, refused with CoverageMismatch unless it covers
+        exactly ``tokens``; a row index out of range raises InvalidInput.
+        """
+        from promptstore import rows
+
+        return rows.put_row(self, model, tokens, batch_cache, row, meta)
+
     def _index_add(self, txn, mid: bytes, hashes: np.ndarray, n: int, ekey: bytes, trimmable: bool) -> None:
         nodes = self._db[b"nodes"]
         last = n // _keys.BLOCK
@@ -386,6 +397,22 @@ class PromptStore:
             meta=man.meta,
         )
 
+    def exists(self, model: str, tokens: Sequence[int]) -> bool:
+        """True when an entry of exactly ``tokens`` under ``model`` is stored.
+
+        Cheap: reads the manifest only, no arrays, and counts no hit or miss.
+        An entry whose manifest is damaged or does not match counts as absent,
+        so a caller that re-puts it replaces it.
+        """
+        toks = _keys.as_tokens(tokens)
+        ekey = _keys.entry_key(_keys.model_id(model), toks)
+        with self.env.read() as txn:
+            try:
+                man = self._manifest(txn, ekey)
+            except PromptStoreError:
+                return False
+        return man is not None and man.model == model and np.array_equal(man.tokens, toks)
+
     def get(self, model: str, tokens: Sequence[int]) -> Optional[List[Any]]:
         """The stored cache of exactly ``tokens``, or None.
 
@@ -453,7 +480,7 @@ class PromptStore:
 
     def _candidates(self, txn, mid: bytes, toks: np.ndarray, hashes: np.ndarray) -> Iterator[Tuple[bytes, int, _entry.Manifest]]:
         """Candidates best first: ``(entry key, tokens usable, manifest)``."""
-        nodes, ends = self._db[b"nodes"], self._db[b"ends"]
+        nodes = self._db[b"nodes"]
         L = len(toks)
         B = _keys.BLOCK
 
@@ -470,27 +497,9 @@ class PromptStore:
             else:
                 hi = mid_k - 1
         deepest = lo
-        exact: List[Tuple[int, bytes, _entry.Manifest]] = []
-        cur = txn.cursor(db=ends)
-        for k in range(deepest, -1, -1):
-            nk = _keys.node_key(mid, hashes[k * B], k)
-            if not cur.set_key(nk):
-                continue
-            if cur.set_range_dup(nk, _keys.u32(L + 1)):
-                more = cur.prev_dup()
-            else:
-                more = cur.last_dup()
-            while more:
-                n, h, ekey = _keys.parse_end(bytes(cur.value()))
-                if n <= L and h == int(hashes[n]):
-                    man = self._safe_manifest(txn, ekey)
-                    if man is not None and len(man.tokens) == n and np.array_equal(man.tokens, toks[:n]):
-                        exact.append((n, ekey, man))
-                        break
-                more = cur.prev_dup()
-            if exact:
-                break
-        best = exact[0][0] if exact else 0
+        exact = self._exact_prefixes(txn, mid, toks, hashes, deepest)
+        first = next(exact, None)
+        best = first[0] if first else 0
         trim: List[Tuple[int, bytes, _entry.Manifest]] = []
         raw = node(deepest)
         for ekey in _load_node(raw)["reps"] if raw is not None else []:
@@ -504,8 +513,32 @@ class PromptStore:
                 trim.append((c, ekey, man))
         for c, ekey, man in sorted(trim, key=lambda t: -t[0]):
             yield ekey, c, man
-        for n, ekey, man in exact:
-            yield ekey, n, man
+        if first is not None:
+            yield first[1], first[0], first[2]
+            for n, ekey, man in exact:  # shorter ones, should the best be damaged
+                yield ekey, n, man
+
+    def _exact_prefixes(self, txn, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int):
+        """Stored entries that are exact prefixes of ``toks``, longest first:
+        a walk down the ``ends`` of each block from the deepest node."""
+        L = len(toks)
+        B = _keys.BLOCK
+        cur = txn.cursor(db=self._db[b"ends"])
+        for k in range(deepest, -1, -1):
+            nk = _keys.node_key(mid, hashes[k * B], k)
+            if not cur.set_key(nk):
+                continue
+            if cur.set_range_dup(nk, _keys.u32(L + 1)):
+                more = cur.prev_dup()
+            else:
+                more = cur.last_dup()
+            while more:
+                n, h, ekey = _keys.parse_end(bytes(cur.value()))
+                if n <= L and h == int(hashes[n]):
+                    man = self._safe_manifest(txn, ekey)
+                    if man is not None and len(man.tokens) == n and np.array_equal(man.tokens, toks[:n]):
+                        yield n, ekey, man
+                more = cur.prev_dup()
 
     def _safe_manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
         try:

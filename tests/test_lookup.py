@@ -1,0 +1,137 @@
+"""Longest-prefix lookup: exact, shorter prefix, trimmed longer entry, recurrent exactness."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from conftest import greedy, load_fixture, sample_tokens
+from promptstore import PromptStore
+from promptstore.prefill import prefill
+
+
+def _prefilled(name, tokens):
+    model, _, fp, _ = load_fixture(name)
+    return model, fp, prefill(model, tokens)
+
+
+def test_exact_and_shorter_prefix(store):
+    t = sample_tokens(40)
+    model, fp, cache = _prefilled("llama", t)
+    store.put(fp, t, cache)
+    hit = store.lookup(fp, t)
+    assert (hit.matched, hit.trimmed) == (40, 0)
+    hit = store.lookup(fp, t + sample_tokens(7, seed=1))
+    assert (hit.matched, hit.trimmed) == (40, 0)
+    assert store.lookup(fp, t[:39]) is not None  # longer dense entry trimmed down
+    assert store.lookup(fp, sample_tokens(40, seed=2)) is None
+    assert store.lookup("other@model", t) is None
+
+
+def test_longer_trimmable_entry_is_trimmed(store):
+    model, _, fp, _ = load_fixture("llama")
+    t = sample_tokens(40)
+    longer = t + sample_tokens(25, seed=3)
+    store.put(fp, longer, prefill(model, longer))
+    query = t + [longer[40] + 1 if longer[40] < 400 else 5]
+    hit = store.lookup(fp, query)
+    assert (hit.matched, hit.trimmed) == (40, 25)
+    assert all(c.offset == 40 for c in hit.cache)
+    # Re-feeding the last token to the trimmed cache continues as a fresh prefill of t does.
+    fresh = prefill(model, t[:-1])
+    trimmed = hit.cache
+    for c in trimmed:
+        c.trim(1)
+    last = mx.array([[t[-1]]])
+    toks_a, _ = greedy(model, fresh, model(last, cache=fresh), 12)
+    toks_b, _ = greedy(model, trimmed, model(last, cache=trimmed), 12)
+    assert toks_a == toks_b
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_longer_recurrent_entry_is_refused(store, name):
+    model, _, fp, _ = load_fixture(name)
+    t = sample_tokens(30)
+    longer = t + sample_tokens(10, seed=4)
+    store.put(fp, longer, prefill(model, longer))
+    assert store.lookup(fp, t + [7]) is None  # would need a trim the state cannot do
+    assert store.lookup(fp, t) is None
+    hit = store.lookup(fp, longer + [9, 9])
+    assert (hit.matched, hit.trimmed) == (40, 0)
+    store.put(fp, t, prefill(model, t))
+    assert store.lookup(fp, t + [7]).matched == 30
+
+
+def _tiny(n, trimmable=True):
+    """A one-layer cache covering n tokens, cheap to store."""
+    if trimmable:
+        c = KVCache()
+        c.keys = mx.zeros((1, 1, n, 4), mx.float16)
+        c.values = mx.ones((1, 1, n, 4), mx.float16)
+        c.offset = n
+        return [c]
+    a = ArraysCache(2)
+    a[0] = mx.array([n], mx.int32)
+    return [a]
+
+
+def test_across_index_blocks(store):
+    base = sample_tokens(900, seed=5)
+    store.put("m", base[:300], _tiny(300))
+    store.put("m", base[:520], _tiny(520))
+    assert store.lookup("m", base[:700]).matched == 520
+    assert store.lookup("m", base[:520]).matched == 520
+    assert store.lookup("m", base[:519]).matched == 519  # 520 entry trimmed by one
+    diverge = base[:400] + [1] + base[401:700]
+    hit = store.lookup("m", diverge)
+    assert (hit.matched, hit.trimmed) == (400, 120)
+    assert store.lookup("m", base[:299] + [2]).matched == 299
+
+
+def test_exact_prefix_matches_brute_force(store):
+    """Random tree-shaped prompts: lookup finds the longest stored exact prefix."""
+    rng = random.Random(7)
+    stems = [sample_tokens(rng.randrange(200, 700), seed=100 + i) for i in range(4)]
+    stored = []
+    for i in range(80):
+        stem = rng.choice(stems)
+        cut = rng.randrange(1, len(stem))
+        toks = stem[:cut] + (sample_tokens(rng.randrange(0, 300), seed=1000 + i) if rng.random() < 0.5 else [])
+        if toks in stored:
+            continue
+        store.put("m", toks, _tiny(len(toks), trimmable=False))
+        stored.append(toks)
+    for q in range(120):
+        stem = rng.choice(stems)
+        query = stem[: rng.randrange(1, len(stem) + 1)] + sample_tokens(rng.randrange(0, 50), seed=5000 + q)
+        best = max((len(s) for s in stored if len(s) <= len(query) and query[: len(s)] == s), default=0)
+        hit = store.lookup("m", query)
+        assert (hit.matched if hit else 0) == best
+        if hit:
+            assert int(hit.cache[0][0].item()) == best  # the entry itself, not another
+
+
+def test_delete_removes_from_index(store):
+    t = sample_tokens(300, seed=9)
+    store.put("m", t, _tiny(300, trimmable=False))
+    store.put("m", t[:100], _tiny(100, trimmable=False))
+    assert store.lookup("m", t + [3]).matched == 300
+    assert store.delete("m", t)
+    assert store.lookup("m", t + [3]).matched == 100
+    assert not store.delete("m", t)
+    assert store.delete("m", t[:100])
+    assert store.lookup("m", t) is None
+    assert list(store.entries()) == []
+
+
+def test_replace_keeps_one_entry(store):
+    t = sample_tokens(50, seed=10)
+    store.put("m", t, _tiny(50))
+    store.put("m", t, _tiny(50))
+    assert len(list(store.entries())) == 1
+    assert store.lookup("m", t + [4]).matched == 50
+    assert store.delete("m", t)
+    assert store.lookup("m", t) is None
