@@ -53,7 +53,7 @@ class SpeculativeResult:
     rounds: int
     drafted: int
     accepted: int
-    per_round: List[Tuple[int, int]]
+    per_round: Tuple[Tuple[int, int], ...]  # (drafted, accepted) per round
 
     @property
     def acceptance(self) -> float:
@@ -235,5 +235,5 @@ def speculative_generate(
         tokens.append(token)
         from_draft.append(drafted)
     return SpeculativeResult(
-        tokens, from_draft, stats.rounds, stats.drafted, stats.accepted, list(stats.per_round)
+        tokens, from_draft, stats.rounds, stats.drafted, stats.accepted, tuple(stats.per_round)
     )
