@@ -92,6 +92,15 @@ def arrays_samples() -> List[Any]:
     return [a, b, c]
 
 
+def ssm_samples() -> List[Any]:
+    from promptstore.ssm import SSMCache
+
+    return [
+        SSMCache.from_parts(det((1, 3, 24), mx.bfloat16, 21), det((1, 2, 8, 8), mx.float32, 22), [37]),
+        SSMCache.from_parts(det((1, 3, 64), mx.float32, 23), det((1, 4, 16, 16), mx.float32, 24), [300]),
+    ]
+
+
 def list_samples() -> List[Any]:
     return [
         CacheList(_feed(KVCache(), [21]), _feed(RotatingKVCache(max_size=32, keep=0), [21], seed=6)),
@@ -107,6 +116,7 @@ SAMPLES: Dict[str, Callable[[], List[Any]]] = {
     "kv.rotating": rotating_samples,
     "arrays": arrays_samples,
     "list": list_samples,
+    "ssm.gated_delta": ssm_samples,
 }
 
 
@@ -121,6 +131,10 @@ def visible_state(layer) -> Dict[str, Any]:
     out: Dict[str, Any] = {"type": type(layer)}
     if isinstance(layer, CacheList):
         out["inner"] = [visible_state(c) for c in layer.caches]
+        return out
+    if type(layer).__name__ == "SSMCache":
+        out["slots"] = [layer[0], layer[1]]
+        out["offsets"] = layer.offsets
         return out
     if isinstance(layer, ArraysCache):
         out["slots"] = list(layer.cache)
@@ -164,7 +178,7 @@ def assert_same(a, b, path="layer") -> None:
 
 def continue_both(a, b) -> None:
     """Feed the same new step to two layers and require identical outputs."""
-    if isinstance(a, ArraysCache):
+    if isinstance(a, ArraysCache) or type(a).__name__ == "SSMCache":
         return
     if isinstance(a, CacheList):
         for x, y in zip(a.caches, b.caches):
