@@ -1,0 +1,50 @@
+"""The LMDB map grows on demand, and other processes adopt the new size."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from promptstore import PromptStore
+
+
+def _cache(n: int, value: float):
+    c = KVCache()
+    c.keys = mx.full((1, 4, n, 256), value, mx.float32)
+    c.values = mx.full((1, 4, n, 256), -value, mx.float32)
+    c.offset = n
+    return [c]
+
+
+def test_map_grows_and_other_process_adopts_it(tmp_path):
+    path = tmp_path / "s"
+    small = 1 << 20
+    with PromptStore(path, map_size=small) as store:
+        store.put("m", [1, 2, 3], _cache(3, 1.0))
+        # Another process writes 24 MiB into the 1 MiB map: it must grow the map.
+        code = textwrap.dedent(
+            f"""
+            import mlx.core as mx
+            from mlx_lm.models.cache import KVCache
+            from promptstore import PromptStore
+            c = KVCache()
+            c.keys = mx.full((1, 4, 3000, 256), 2.0, mx.float32)
+            c.values = mx.full((1, 4, 3000, 256), -2.0, mx.float32)
+            c.offset = 3000
+            with PromptStore({str(path)!r}, map_size={small}) as s:
+                s.put("m", list(range(5, 3005)), [c])
+                print(s.env.env.info()["map_size"])
+            """
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout.strip()) >= 24 << 20
+        # This process still has the 1 MiB map: its next transaction adopts the new size.
+        (got,) = store.get("m", list(range(5, 3005)))
+        assert got.keys.shape == (1, 4, 3000, 256) and mx.all(got.keys == 2.0).item()
+        store.put("m", [9, 9], _cache(2, 3.0))  # and it can write after the growth
+        assert store.env.env.info()["map_size"] >= 24 << 20
