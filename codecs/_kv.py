@@ -6,6 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from promptstore.codecs._registry import Codec, array, require
 from promptstore.errors import CorruptEntry
 
 
@@ -29,3 +30,27 @@ def check_count(kind: str, name: str, value: int, lo: int = 0) -> int:
     if value < lo:
         raise CorruptEntry(f"kind {kind!r}: meta field {name!r} is {value}, must be >= {lo}")
     return value
+
+
+class OffsetKVCodec(Codec):
+    """Codec of a KV cache whose state is ``keys``, ``values`` and ``offset``:
+    writes the ``offset`` covered positions, restores them with that offset."""
+
+    def encode(self, layer):
+        n = int(layer.offset)
+        if layer.keys is None:
+            return {}, {"offset": 0}
+        return {"keys": covered(layer.keys, n), "values": covered(layer.values, n)}, {"offset": n}
+
+    def decode(self, arrays, meta, version):
+        n = check_count(self.kind, "offset", require(meta, "offset", int, self.kind))
+        (cls,) = self.types
+        cache = cls()
+        if n or arrays:
+            cache.keys = check_seq(self.kind, "keys", array(arrays, "keys", self.kind), n)
+            cache.values = check_seq(self.kind, "values", array(arrays, "values", self.kind), n)
+        cache.offset = n
+        return cache
+
+    def coverage(self, layer):
+        return int(layer.offset)
