@@ -1,0 +1,532 @@
+"""Offline warm-up: batched, resumable pre-computation of prompt caches.
+
+An operator knows the hot prompts (system prompts, tool schemas, shared
+documents). :func:`warmup` prefills each of them once and stores its cache,
+so the first real request already hits.
+
+How it works:
+
+- Prompts are read and templated up front; a bad line is reported with its
+  line number and reason, and the job goes on.
+- Prompts already stored at exact coverage are skipped, which makes a job
+  resumable: after a crash, run it again and it continues where it stopped.
+  Entries appear whole or not at all (the store writes a manifest last), so
+  a killed job leaves nothing partial behind.
+- Prompts are sorted by length and prefilled in batches of ``batch_size``:
+  rows are left-padded to the longest in the batch with mlx-lm's own batch
+  caches (``BatchKVCache(left_padding)``, ``ArraysCache(left_padding=...)``)
+  and each row is extracted with its padding stripped before it is stored.
+- Caches that cannot be trimmed (recurrent layers, sliding windows) get
+  checkpoints: at message boundaries (end of each system and user message,
+  verified to be a token prefix of the whole conversation) and every
+  ``checkpoint_every`` tokens, so later prompts that share a prefix hit.
+  A checkpoint is stored at its position before prefill goes on.
+- Batched entries must be byte-identical to one-prompt-at-a-time entries.
+  On CPU that holds for the fixture models (measured, padding included), but
+  it is a property of the kernels, not a law: so the first batch of a job is
+  checked against a serial prefill of its most padded row, and if any array
+  differs the job falls back to one prompt at a time (``summary.batched`` is
+  False and ``summary.note`` says why).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from promptstore.codecs import encode_layer
+from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
+from promptstore.identity import fingerprint
+from promptstore.prefill import PREFILL_STEP, encode_prompt, eval_cache, load_model, make_cache
+
+__all__ = [
+    "warmup",
+    "WarmupSummary",
+    "LineError",
+    "PromptRecord",
+    "read_prompts",
+    "message_boundaries",
+    "needs_checkpoints",
+]
+
+log = logging.getLogger("promptstore")
+
+BOUNDARY_ROLES = ("system", "developer", "user")
+_KEYS = {"id", "prompt", "messages", "meta"}
+# (prompts done, prompts to do, tokens prefilled so far, seconds so far)
+Progress = Callable[[int, int, int, float], None]
+
+
+@dataclass(frozen=True)
+class LineError:
+    """One input line that could not be warmed: where, which id, and why."""
+
+    line: int
+    id: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One valid input line: exactly one of ``prompt`` and ``messages`` is set."""
+
+    line: int
+    id: Any
+    prompt: Optional[str] = None
+    messages: Optional[Tuple[Dict[str, Any], ...]] = None
+    meta: Optional[Dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class WarmupSummary:
+    """What a warm-up job did.
+
+    ``prompts`` input records (non-blank lines, bad ones included); ``stored`` prompts whose entry this job
+    wrote; ``skipped`` prompts already stored (or repeated in the input);
+    ``failed`` lines that failed (bad input, or a store error); ``checkpoints``
+    checkpoint entries written; ``tokens`` tokens prefilled; ``bytes`` payload
+    bytes written; ``batched`` whether rows were prefilled in batches;
+    ``stopped`` why the job stopped early (None when it ran to the end).
+    """
+
+    prompts: int
+    stored: int
+    skipped: int
+    failed: int
+    checkpoints: int
+    tokens: int
+    bytes: int
+    seconds: float
+    batch_size: int
+    batched: bool
+    errors: Tuple[LineError, ...] = ()
+    stopped: Optional[str] = None
+    note: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        """True when every line was warmed or skipped and the job ran to the end."""
+        return self.failed == 0 and self.stopped is None
+
+
+# -- input ---------------------------------------------------------------------
+
+
+def _check_record(obj: Any) -> Tuple[Any, Optional[str]]:
+    """``(id, reason)``: reason is None when ``obj`` is a valid record."""
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    rid = obj.get("id")
+    unknown = sorted(set(obj) - _KEYS)
+    if unknown:
+        return rid, f"unknown keys {unknown}; allowed: id, prompt, messages, meta"
+    if ("prompt" in obj) == ("messages" in obj):
+        return rid, 'give exactly one of "prompt" or "messages"'
+    if isinstance(rid, (dict, list)):
+        return rid, '"id" must be a string or a number'
+    if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
+        return rid, '"prompt" must be a non-empty string'
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            return rid, '"messages" must be a non-empty list'
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                return rid, f'messages[{j}] must be an object with string "role" and "content"'
+    if "meta" in obj and not isinstance(obj["meta"], dict):
+        return rid, '"meta" must be an object'
+    return rid, None
+
+
+def read_prompts(source: Union[str, os.PathLike, Iterable[Dict[str, Any]]]) -> Tuple[List[PromptRecord], List[LineError]]:
+    """Parse a JSONL prompt file (or an iterable of dicts) into records and line errors.
+
+    Each line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages":
+    [...]}`` with an optional ``"meta": {...}`` stored with the entry. Blank
+    lines are ignored. Line numbers count from 1 (for an iterable, its index + 1).
+
+    Raises:
+        InvalidInput: the file cannot be read at all.
+    """
+    records: List[PromptRecord] = []
+    errors: List[LineError] = []
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            raw_lines = path.read_bytes().split(b"\n")
+        except OSError as err:
+            raise InvalidInput(f"{path}: cannot read the prompt file ({err.strerror or err})") from err
+        items: List[Tuple[int, Any]] = []
+        for n, raw in enumerate(raw_lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                items.append((n, json.loads(raw.decode("utf-8"))))
+            except UnicodeDecodeError as err:
+                errors.append(LineError(n, None, f"not UTF-8 ({err.reason} at byte {err.start})"))
+            except ValueError as err:
+                errors.append(LineError(n, None, f"not JSON ({err})"))
+    else:
+        items = list(enumerate(source, 1))
+    for n, obj in items:
+        rid, reason = _check_record(obj)
+        if reason is not None:
+            errors.append(LineError(n, rid, reason))
+            continue
+        msgs = obj.get("messages")
+        records.append(
+            PromptRecord(
+                line=n,
+                id=rid,
+                prompt=obj.get("prompt"),
+                messages=tuple(dict(m) for m in msgs) if msgs is not None else None,
+                meta=dict(obj["meta"]) if "meta" in obj else None,
+            )
+        )
+    errors.sort(key=lambda e: e.line)
+    return records, errors
+
+
+# -- checkpoints ---------------------------------------------------------------
+
+
+def message_boundaries(tokenizer: Any, messages: Sequence[Dict[str, Any]], tokens: Sequence[int]) -> List[int]:
+    """Token counts at the end of each system/developer/user message that are a true prefix of ``tokens``.
+
+    Each count comes from templating the first k messages without a
+    generation prompt; a count whose tokens are not exactly a prefix of the
+    whole conversation (a template that rewrites earlier turns) is dropped.
+    The full length itself is not a boundary.
+    """
+    out = set()
+    full = list(tokens)
+    for k in range(1, len(messages)):
+        if messages[k - 1].get("role") not in BOUNDARY_ROLES:
+            continue
+        part = list(tokenizer.apply_chat_template(list(messages[:k]), add_generation_prompt=False))
+        if 0 < len(part) < len(full) and full[: len(part)] == part:
+            out.add(len(part))
+    return sorted(out)
+
+
+def needs_checkpoints(model: Any) -> bool:
+    """True when the model's cache may be impossible to trim: any layer that is
+    not a plain (possibly quantized) KV cache, e.g. recurrent state or a
+    sliding window. Such entries only serve queries that extend them exactly."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    return any(type(layer) not in (KVCache, QuantizedKVCache) for layer in make_cache(model))
+
+
+# -- the job -------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """One prompt to prefill: its tokens, checkpoint positions and metas."""
+
+    record: PromptRecord
+    tokens: List[int]
+    cuts: Dict[int, Dict[str, Any]]  # checkpoint length -> entry meta
+    meta: Dict[str, Any]
+
+
+def _batchable(model: Any) -> bool:
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    return all(type(layer) in (KVCache, ArraysCache) for layer in make_cache(model))
+
+
+def _batch_cache(model: Any, pads: List[int]) -> List[Any]:
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+    out = []
+    for layer in make_cache(model):
+        if type(layer) is KVCache:
+            out.append(BatchKVCache(list(pads)))
+        else:
+            out.append(ArraysCache(len(layer.cache), left_padding=list(pads)))
+    return out
+
+
+def _same_entry(a: List[Any], b: List[Any]) -> bool:
+    """Bit-exact comparison of two encoded caches (lists of ``Encoded``)."""
+    if len(a) != len(b):
+        return False
+    for ex, ey in zip(a, b):
+        if (ex.kind, ex.version, ex.meta) != (ey.kind, ey.version, ey.meta) or set(ex.arrays) != set(ey.arrays):
+            return False
+        for k, u in ex.arrays.items():
+            v = ey.arrays[k]
+            if u.dtype != v.dtype or u.shape != v.shape or not mx.array_equal(u, v).item():
+                return False
+    return True
+
+
+class _Job:
+    def __init__(self, store, model, model_id: str, batch_size: int, step: int, progress: Optional[Progress], total: int):
+        self.store = store
+        self.model = model
+        self.model_id = model_id
+        self.batch_size = batch_size
+        self.step = step
+        self.progress = progress
+        self.total = total
+        self.done = 0
+        self.tokens = 0
+        self.bytes = 0
+        self.stored = 0
+        self.checkpoints = 0
+        self.start = time.perf_counter()
+        self.budget = getattr(store, "budget", None)
+
+    def _tick(self, tokens: int = 0, prompts: int = 0) -> None:
+        self.tokens += tokens
+        self.done += prompts
+        if self.progress is not None:
+            self.progress(self.done, self.total, self.tokens, time.perf_counter() - self.start)
+
+    def put(self, tokens: List[int], cache: List[Any], meta: Dict[str, Any], final: bool) -> None:
+        info = self.store.put(self.model_id, tokens, cache, meta=meta)
+        self.bytes += info.nbytes
+        if final:
+            self.stored += 1
+        else:
+            self.checkpoints += 1
+
+    def over_budget(self) -> bool:
+        # Past its budget the store evicts by last use: the job would evict
+        # the entries it has just warmed. Stop instead.
+        budget = self.budget() if callable(self.budget) else self.budget
+        return isinstance(budget, int) and budget > 0 and self.bytes >= budget
+
+    def run(self, plans: List[_Plan], batched: bool, sink: Optional[List] = None) -> None:
+        """Prefill ``plans`` as one batch (or serially when one), storing each
+        checkpoint when reached and each final entry at the end. With ``sink``
+        the entries are collected ``(row, tokens, cache, encoded, meta, final)``
+        instead (a serial cache keeps changing: only its encoding is a snapshot)."""
+        B = len(plans)
+        lengths = [len(p.tokens) for p in plans]
+        L = max(lengths)
+        pads = [L - n for n in lengths]
+        rows = batched and B > 1
+        cache = _batch_cache(self.model, pads) if rows else make_cache(self.model)
+        x = mx.array([[0] * pad + p.tokens for pad, p in zip(pads, plans)])
+        events: Dict[int, List[Tuple[int, int]]] = {}
+        for i, p in enumerate(plans):
+            for n in p.cuts:
+                events.setdefault(pads[i] + n, []).append((i, n))
+        pos = 0
+        for stop in sorted(set(events) | {L}):
+            while pos < stop:
+                n = min(self.step, stop - pos)
+                self.model(x[:, pos : pos + n], cache=cache)
+                eval_cache(cache)
+                live = sum(max(0, min(pos + n, L) - max(pos, pad)) for pad in pads)
+                pos += n
+                self._tick(tokens=live)
+            for i, n in events.get(stop, ()):
+                self._emit(i, plans[i], n, self._row(cache, i, rows), False, sink)
+        for i, p in enumerate(plans):
+            self._emit(i, p, len(p.tokens), self._row(cache, i, rows), True, sink)
+
+    @staticmethod
+    def _row(cache: List[Any], i: int, rows: bool) -> List[Any]:
+        if not rows:
+            return cache
+        out = [layer.extract(i) for layer in cache]
+        eval_cache(out)  # a copy of row i now, before prefill goes on
+        return out
+
+    def _emit(self, i: int, plan: _Plan, n: int, cache: List[Any], final: bool, sink: Optional[List]) -> None:
+        meta = plan.meta if final else plan.cuts[n]
+        if sink is not None:
+            # Encoded now: a snapshot of the arrays, whatever prefill does next.
+            encoded = [encode_layer(layer) for layer in cache]
+            mx.eval([a for e in encoded for a in e.arrays.values()])
+            sink.append((i, plan.tokens[:n], cache, encoded, meta, final))
+        else:
+            self.put(plan.tokens[:n], cache, meta, final)
+
+
+def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, chat_template: bool, checkpoints: bool, every: int, errors: List[LineError]):
+    """Template every record; drop stored ones and repeats; choose checkpoints."""
+    plans: List[_Plan] = []
+    skipped = 0
+    seen: Dict[Tuple[int, ...], int] = {}
+    for rec in records:
+        try:
+            msgs = list(rec.messages) if rec.messages is not None else None
+            tokens = encode_prompt(tokenizer, rec.prompt, msgs, chat_template=chat_template)
+        except PromptStoreError as err:
+            errors.append(LineError(rec.line, rec.id, str(err)))
+            continue
+        except Exception as err:  # a template that raises on this input (jinja, tokenizer)
+            errors.append(LineError(rec.line, rec.id, f"cannot template: {type(err).__name__}: {err}"))
+            continue
+        if not tokens:
+            errors.append(LineError(rec.line, rec.id, "the prompt encodes to no tokens"))
+            continue
+        key = tuple(tokens)
+        if key in seen:
+            log.info("promptstore: warm-up line %d repeats line %d; skipped", rec.line, seen[key])
+            skipped += 1
+            continue
+        seen[key] = rec.line
+        if store.exists(model_id, tokens):
+            skipped += 1
+            continue
+        cuts: Dict[int, Dict[str, Any]] = {}
+        if checkpoints:
+            if every > 0:
+                for n in range(every, len(tokens), every):
+                    cuts[n] = {"checkpoint": f"every {every}"}
+            if msgs is not None and chat_template:
+                for n in message_boundaries(tokenizer, msgs, tokens):
+                    cuts[n] = {"checkpoint": "boundary"}
+        meta = dict(rec.meta or {})
+        meta["warmup"] = str(rec.id) if rec.id is not None else f"line {rec.line}"
+        plans.append(_Plan(rec, tokens, cuts, meta))
+    # A checkpoint equal to another prompt is that prompt's entry; a checkpoint
+    # shared by several prompts is stored once (by the first in length order),
+    # and one already in the store is not stored again.
+    plans.sort(key=lambda p: len(p.tokens))
+    claimed = set(seen)
+    for p in plans:
+        for n in sorted(p.cuts):
+            key = tuple(p.tokens[:n])
+            if key in claimed or store.exists(model_id, p.tokens[:n]):
+                del p.cuts[n]
+            else:
+                claimed.add(key)
+    return plans, skipped
+
+
+def warmup(
+    store,
+    model_dir: Union[str, os.PathLike],
+    prompts: Union[str, os.PathLike, Iterable[Dict[str, Any]]],
+    *,
+    batch_size: int = 8,
+    checkpoint_every: int = 2048,
+    checkpoints: Optional[bool] = None,
+    chat_template: bool = True,
+    progress: Optional[Progress] = None,
+    check_batching: bool = True,
+    step: int = PREFILL_STEP,
+    loaded: Optional[Tuple[Any, Any]] = None,
+) -> WarmupSummary:
+    """Prefill every prompt of a JSONL file (or iterable of records) and store its cache.
+
+    Args:
+        store: an open PromptStore.
+        model_dir: the mlx-lm model directory (its fingerprint keys the entries).
+        prompts: a JSONL path, or an iterable of ``{"id", "prompt"|"messages"}`` dicts.
+        batch_size: rows per batched prefill (1: one prompt at a time).
+        checkpoint_every: for untrimmable caches, also store a checkpoint every
+            N tokens (0: only at message boundaries).
+        checkpoints: store checkpoints; None decides by the model's cache
+            (on when any layer is not a plain KV cache).
+        chat_template: template prompts as ``promptstore put`` does.
+        progress: called as ``progress(prompts_done, prompts_total, tokens, seconds)``.
+        check_batching: compare the first batch against a serial prefill of
+            its most padded row and fall back to serial prefill if any bit differs.
+        step: prefill chunk length.
+        loaded: ``(model, tokenizer)`` already loaded from ``model_dir``.
+
+    Returns:
+        A WarmupSummary; ``summary.errors`` lists each failed line.
+
+    Raises:
+        InvalidInput: bad arguments, an unreadable prompt file or model directory.
+        StoreError: the store failed as a whole (a full store ends the job
+            with ``summary.stopped`` set instead).
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidInput(f"batch_size must be a positive integer, not {batch_size!r}")
+    if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise InvalidInput(f"checkpoint_every must be 0 or a positive integer, not {checkpoint_every!r}")
+    started = time.perf_counter()
+    records, errors = read_prompts(prompts)
+    n_bad_lines = len(errors)
+    model, tokenizer = loaded if loaded is not None else load_model(str(model_dir))
+    model_id = fingerprint(model_dir)
+    if checkpoints is None:
+        checkpoints = needs_checkpoints(model)
+    plans, skipped = _plan(records, tokenizer, store, model_id, chat_template, checkpoints, checkpoint_every, errors)
+    batched = batch_size > 1 and _batchable(model)
+    note = None
+    if batch_size > 1 and not batched:
+        note = "this model's cache types cannot be batched here; prefilled one prompt at a time"
+    job = _Job(store, model, model_id, batch_size, step, progress, len(plans))
+    stopped = None
+    size = batch_size if batched else 1
+    groups = [plans[i : i + size] for i in range(0, len(plans), size)]
+    gi = 0
+    while gi < len(groups):
+        group = groups[gi]
+        try:
+            if batched and check_batching and len(group) > 1:
+                check_batching = False
+                if not _probe(job, group):
+                    batched = False
+                    note = "batched prefill was not bit-identical to serial prefill on this device; prefilled one prompt at a time"
+                    log.warning("promptstore: %s", note)
+                    rest = [p for g in groups[gi:] for p in g]
+                    groups[gi:] = [[p] for p in rest]
+                    continue
+                job._tick(prompts=len(group))
+            else:
+                job.run(group, batched)
+                job._tick(prompts=len(group))
+        except StoreFull as err:
+            stopped = f"store full: {err}"
+            break
+        except PromptStoreError as err:
+            for p in group:
+                errors.append(LineError(p.record.line, p.record.id, f"{type(err).__name__}: {err}"))
+            job._tick(prompts=len(group))
+        gi += 1
+        if job.over_budget() and gi < len(groups):
+            stopped = f"the job wrote {job.bytes} bytes, the store's byte budget; run it again after `promptstore gc`, or raise the budget"
+            break
+    errors.sort(key=lambda e: e.line)
+    return WarmupSummary(
+        prompts=len(records) + n_bad_lines,
+        stored=job.stored,
+        skipped=skipped,
+        failed=len(errors),
+        checkpoints=job.checkpoints,
+        tokens=job.tokens,
+        bytes=job.bytes,
+        seconds=time.perf_counter() - started,
+        batch_size=batch_size,
+        batched=batched,
+        errors=tuple(errors),
+        stopped=stopped,
+        note=note,
+    )
+
+
+def _probe(job: _Job, group: List[_Plan]) -> bool:
+    """Run ``group`` batched and its most padded row serially; store the batch
+    only when every entry of that row is bit-identical. Returns that verdict."""
+    batched: List = []
+    job.run(group, True, sink=batched)
+    serial: List = []
+    tokens_before = job.tokens
+    job.run([group[0]], False, sink=serial)
+    job.tokens = tokens_before  # the probe's serial tokens are not the job's work
+    mine = [e for e in batched if e[0] == 0]
+    if len(mine) != len(serial) or not all(a[1] == b[1] and _same_entry(a[3], b[3]) for a, b in zip(mine, serial)):
+        return False
+    for _, tokens, cache, _, meta, final in batched:
+        job.put(tokens, cache, meta, final)
+    return True
