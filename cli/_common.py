@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
@@ -55,28 +56,81 @@ def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout (raw integers, ISO-8601 UTC).")(fn)
 
 
+class Command(click.Command):
+    """A click command whose usage errors are JSON too when ``--json`` was given.
+
+    Parsing happens before the command body runs, so ``guarded`` cannot see
+    those errors; ``make_context`` is where click raises them.
+    """
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        wants_json = "--json" in args
+        try:
+            return super().make_context(info_name, list(args), parent=parent, **extra)
+        except click.UsageError as err:
+            if not wants_json:
+                raise
+            fail("UsageError", err.format_message(), True, code=2)
+
+
+def command(name: Optional[str] = None, **kwargs) -> Callable:
+    """``@click.command`` with :class:`Command` (JSON usage errors)."""
+    return click.command(name, cls=Command, **kwargs)
+
+
 def guarded(fn: Callable) -> Callable:
-    """Expected errors exit 1 with one line (JSON with --json), never a traceback."""
+    """Expected errors exit 1 with one line (JSON with --json), never a traceback.
+
+    Usage errors raised in the body exit 2 (JSON with --json). Anything
+    unexpected is one line too, unless ``PROMPTSTORE_DEBUG`` is set.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         as_json = kwargs.get("as_json", False)
         try:
             return fn(*args, **kwargs)
+        except click.UsageError as err:
+            if not as_json:
+                raise
+            fail("UsageError", err.format_message(), as_json, code=2)
+        except (click.exceptions.Exit, click.Abort, SystemExit):
+            raise
         except PromptStoreError as err:
             fail(type(err).__name__, str(err), as_json)
         except (OSError, ValueError) as err:
             fail(type(err).__name__, str(err), as_json)
+        except KeyboardInterrupt:
+            fail("Interrupted", "interrupted; nothing half-written is ever visible in the store", as_json, code=130)
+        except Exception as err:  # never a traceback for a user; a bug report line instead
+            if os.environ.get("PROMPTSTORE_DEBUG"):
+                raise
+            fail(
+                type(err).__name__,
+                f"unexpected {type(err).__name__}: {err} (a bug: rerun with PROMPTSTORE_DEBUG=1 for the traceback and report it)",
+                as_json,
+            )
 
     return wrapper
 
 
 def fail(kind: str, message: str, as_json: bool, code: int = 1) -> None:
+    """Print one error line (a JSON object with --json) and exit with ``code``."""
+    message = " ".join(str(message).split())  # one line, whatever the message held
     if as_json:
-        click.echo(json.dumps({"error": kind, "message": message}))
+        click.echo(json.dumps({"error": kind, "message": message, "exit_code": code}))
     else:
         click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def warn(message: str) -> None:
+    """A warning on stderr (never on stdout, which --json keeps for JSON)."""
+    click.echo(f"warning: {message}", err=True)
+
+
+def model_option(required: bool = True, help: str = "mlx-lm model directory.") -> Callable:
+    return click.option("--model", "model_dir", required=required, type=click.Path(file_okay=False), help=help)
 
 
 def info_json(info) -> dict:

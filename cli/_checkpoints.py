@@ -1,0 +1,95 @@
+"""Checkpoints at message boundaries for caches that cannot be trimmed.
+
+A hybrid model's recurrent layers (and a sliding-window layer once it has
+wrapped) cannot drop tokens, so a stored entry serves only queries that
+extend it exactly. A chat grows by turns: storing a snapshot at the end of
+the system message and at the end of every user turn lets the next turn's
+prompt hit at the last boundary it shares.
+
+The snapshot is taken by ``store.put`` at the boundary, before prefill goes
+on: ``put`` evaluates the covered arrays and copies their bytes into LMDB
+synchronously, while continuing prefill writes into the KV buffers in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from promptstore.prefill import make_cache, prefill
+
+BOUNDARY_ROLES = ("system", "developer", "user")
+
+
+def message_boundaries(tokenizer: Any, messages: List[Dict[str, Any]], tokens: Sequence[int]) -> List[int]:
+    """Token counts at the end of each system/user message that are a true prefix of ``tokens``.
+
+    Each count comes from templating the first k messages (no generation
+    prompt); a count whose tokens are not exactly a prefix of the full list
+    (a template that rewrites earlier turns) is dropped. The full length
+    itself is not a boundary.
+    """
+    out = set()
+    full = list(tokens)
+    for k in range(1, len(messages)):
+        if messages[k - 1].get("role") not in BOUNDARY_ROLES:
+            continue
+        part = list(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False))
+        if 0 < len(part) < len(full) and full[: len(part)] == part:
+            out.add(len(part))
+    return sorted(out)
+
+
+def needs_checkpoints(model: Any, n_tokens: int) -> bool:
+    """True when a cache of ``n_tokens`` on ``model`` could not be trimmed:
+    a recurrent layer, or a sliding window no longer than the prompt."""
+
+    def untrimmable(layer) -> bool:
+        inner = getattr(layer, "caches", None)
+        if inner is not None and type(layer).__name__ == "CacheList":
+            return any(untrimmable(c) for c in inner)
+        if not layer.is_trimmable():
+            return True
+        size = getattr(layer, "max_size", None)
+        return isinstance(size, int) and size <= n_tokens
+
+    return any(untrimmable(layer) for layer in make_cache(model))
+
+
+def prefill_with_checkpoints(
+    store: Any,
+    fingerprint: str,
+    model: Any,
+    tokens: Sequence[int],
+    boundaries: Sequence[int],
+    meta: Optional[Dict[str, Any]] = None,
+    progress: Optional[Callable[[int, int, float], None]] = None,
+) -> Tuple[Any, List[Any]]:
+    """Prefill ``tokens`` segment by segment, storing an entry at each boundary and at the end.
+
+    Returns:
+        ``(final EntryInfo, [checkpoint EntryInfo, ...])``.
+    """
+    import time
+
+    total = len(tokens)
+    start = time.perf_counter()
+    cache = make_cache(model)
+    checkpoints = []
+    done = 0
+    cuts = [b for b in sorted(set(boundaries)) if 0 < b < total] + [total]
+    for i, cut in enumerate(cuts):
+        base = done
+
+        def seg_progress(n, _total, _secs, base=base):
+            if progress is not None:
+                progress(base + n, total, time.perf_counter() - start)
+
+        prefill(model, tokens[done:cut], cache=cache, progress=seg_progress)
+        done = cut
+        if cut == total:
+            break
+        ck_meta = dict(meta or {})
+        ck_meta["checkpoint"] = f"boundary {i + 1} of {len(cuts) - 1}"
+        checkpoints.append(store.put(fingerprint, tokens[:cut], cache, meta=ck_meta))
+    final = store.put(fingerprint, tokens, cache, meta=meta)
+    return final, checkpoints

@@ -1,0 +1,60 @@
+"""Selecting entries at the command line: by model, by age, and short keys."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional
+
+import click
+
+from promptstore import fingerprint
+
+MIN_KEY = 12
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"(\d+)\s*([smhdw])")
+
+
+def parse_duration(text: str) -> timedelta:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``2w`` or a sum like ``1d12h``.
+
+    Raises:
+        click.BadParameter: anything else.
+    """
+    s = text.strip().lower()
+    parts = _DURATION.findall(s)
+    if not parts or _DURATION.sub("", s).strip():
+        raise click.BadParameter(f"{text!r} is not a duration like 7d, 12h, 30m, 45s, 2w or 1d12h", param_hint="--older-than")
+    return timedelta(seconds=sum(int(n) * _UNITS[u] for n, u in parts))
+
+
+def key_length(ids: Iterable[str]) -> int:
+    """The shortest prefix length (at least 12) that keeps every id unique, like a git short hash."""
+    ids = sorted(set(ids))
+    n = MIN_KEY
+    for a, b in zip(ids, ids[1:]):
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        n = max(n, common + 1)
+    return n
+
+
+def model_filter(model: Optional[str]) -> Callable:
+    """A predicate on EntryInfo: a model directory matches its fingerprint;
+    anything else matches the readable model name (as ``ls`` shows it)."""
+    if model is None:
+        return lambda info: True
+    if (Path(model).expanduser() / "config.json").is_file():
+        fp = fingerprint(model)
+        return lambda info: info.model == fp
+    return lambda info: info.model_name == model or info.model == model
+
+
+def model_help(verb: str) -> str:
+    return f"{verb} only entries of this model (a model directory, or the name `ls` shows)."
+
+
+def keys_of(infos: List) -> dict:
+    """``{id: displayed key}`` for a list of EntryInfo."""
+    n = key_length(i.id for i in infos)
+    return {i.id: i.id[:n] for i in infos}

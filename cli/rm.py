@@ -1,0 +1,88 @@
+"""``promptstore rm``: delete entries by key, by model or by age; plan first."""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime, timezone
+
+import click
+
+from promptstore import EntryNotFound
+from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option
+from promptstore.cli._select import key_length, model_filter, model_help, parse_duration
+from promptstore.cli.ls import entry_rows, plural, render_table
+
+
+@command()
+@click.argument("keys", nargs=-1)
+@click.option("--model", default=None, help=model_help("Remove"))
+@click.option("--older-than", "older_than", default=None, metavar="DURATION", help="Remove entries last used longer ago than this (7d, 12h, 30m).")
+@click.option("--dry-run", is_flag=True, help="Show the plan; delete nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Delete without asking (required without a terminal).")
+@json_option
+@click.pass_obj
+@guarded
+def rm(obj, keys, model, older_than, dry_run, yes, as_json):
+    """Delete entries: KEY... (ids or unique prefixes), or every entry matching
+    --model and/or --older-than.
+
+    Shows the plan first; asks before deleting unless --yes.
+    """
+    if keys and (model or older_than):
+        raise click.UsageError("give KEYs, or --model/--older-than, not both")
+    if not keys and not model and not older_than:
+        raise click.UsageError("nothing selected: give KEYs, --model or --older-than")
+    store = obj.store
+    everything = list(store.entries())
+    if keys:
+        plan, seen = [], set()
+        for key in keys:
+            info = store.info(key)  # EntryNotFound names the key: nothing is deleted
+            if info.id not in seen:
+                seen.add(info.id)
+                plan.append(info)
+    else:
+        keep = model_filter(model)
+        cutoff = datetime.now(timezone.utc) - parse_duration(older_than) if older_than else None
+        plan = [i for i in everything if keep(i) and (cutoff is None or i.last_used < cutoff)]
+    total = sum(i.nbytes for i in plan)
+    keylen = key_length(i.id for i in everything)
+
+    def report(removed, missing=()):
+        if as_json:
+            emit_json({
+                "dry_run": dry_run,
+                "planned": [info_json(i) for i in plan],
+                "removed": [i.id for i in removed],
+                "vanished": list(missing),
+                "bytes": sum(i.nbytes for i in removed) if not dry_run else total,
+            })
+
+    if not plan:
+        if not as_json:
+            click.echo("nothing to remove")
+        report([])
+        return
+    if not as_json:
+        render_table(entry_rows(plan, keylen), right={3, 4})
+        click.echo(f"plan: remove {plural(len(plan))}, {format_size(total)}")
+    if dry_run:
+        if not as_json:
+            click.echo("dry run: nothing removed")
+        report([])
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            fail("NeedsConfirmation", f"refusing to remove {plural(len(plan))} ({format_size(total)}) without a terminal to confirm; pass --yes", as_json)
+        if not click.confirm(f"Remove {plural(len(plan))}, {format_size(total)}?", default=False, err=True):
+            fail("Aborted", "nothing removed", as_json)
+    removed, missing = [], []
+    for info in plan:
+        try:
+            removed.append(store.remove(info.id))
+        except EntryNotFound:
+            missing.append(info.id)  # removed meanwhile by another process
+    if as_json:
+        report(removed, missing)
+        return
+    click.echo(f"removed {plural(len(removed))}, {format_size(sum(i.nbytes for i in removed))}")

@@ -1,0 +1,43 @@
+"""``promptstore verify``: check every manifest and checksum; ``--fix`` removes what is broken."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from promptstore.cli._common import command, emit_json, guarded, json_option
+
+
+@command()
+@click.option("--fix", is_flag=True, help="Delete damaged entries and orphaned chunks, and rebuild the index.")
+@json_option
+@click.pass_obj
+@guarded
+def verify(obj, fix, as_json):
+    """Check every entry's manifest and array checksums.
+
+    Exits 1 when problems were found (also when --fix removed them).
+    """
+    report = obj.store.verify(fix=fix)
+    if as_json:
+        emit_json({
+            "checked": report.checked,
+            "problems": [{"id": eid, "problem": what} for eid, what in report.problems],
+            "orphan_chunks": report.orphan_chunks,
+            "fixed": report.fixed and not report.ok,
+            "ok": report.ok,
+        })
+    else:
+        for eid, what in report.problems:
+            click.echo(f"damaged {eid}: {what}")
+        if report.orphan_chunks:
+            click.echo(f"{report.orphan_chunks} orphaned chunk(s)")
+        if report.ok:
+            click.echo(f"ok: {report.checked} entries checked")
+        elif fix:
+            click.echo(f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks of {report.checked} checked")
+        else:
+            click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)
+    if not report.ok:
+        sys.exit(1)

@@ -1,0 +1,306 @@
+"""The command line in-process (click's CliRunner): every command and option, parsing --json."""
+
+from __future__ import annotations
+
+import json
+import time as _time
+from datetime import timedelta
+
+import click
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from conftest import MODELS, load_fixture
+
+from _raw import get_chunk, set_chunk
+from promptstore import PromptStore
+from promptstore.cli import main
+from promptstore.cli._select import key_length, parse_duration
+from promptstore.prefill import encode_prompt
+
+LLAMA = str(MODELS / "llama")
+QNEXT = str(MODELS / "qwen3_next")
+PROMPT = "You are a terse assistant. Explain prompt caches."
+
+
+@pytest.fixture
+def cli(tmp_path):
+    runner = CliRunner()
+    store_dir = str(tmp_path / "store")
+
+    def run(*args, input=None, code=0):
+        result = runner.invoke(main, ["--store", store_dir, *args], input=input)
+        assert result.exit_code == code, (result.exit_code, result.output, result.stderr, result.exception)
+        assert "Traceback" not in result.output + result.stderr
+        return result
+
+    run.store_dir = store_dir
+    return run
+
+
+def js(result):
+    return json.loads(result.stdout)
+
+
+def put(cli, prompt, model=LLAMA, *extra):
+    return js(cli("put", "--model", model, "--prompt", prompt, "--json", *extra))
+
+
+# -- put / get ------------------------------------------------------------------
+
+
+def test_put_then_get_hits_and_reports_what_is_left(cli):
+    model, tok, _, _ = load_fixture("llama")
+    entry = put(cli, PROMPT, LLAMA, "--meta", "team=infra")
+    assert entry["tokens"] == len(encode_prompt(tok, PROMPT))
+    assert entry["meta"] == {"team": "infra"} and entry["checkpoints"] == []
+    assert len(entry["id"]) == 16 and entry["bytes"] > 0 and entry["kinds"] == ["kv", "kv"]
+    exact = js(cli("get", "--model", LLAMA, "--prompt", PROMPT, "--json"))
+    assert (exact["matched"], exact["to_prefill"], exact["entry"]["id"]) == (entry["tokens"], 0, entry["id"])
+    longer = js(cli("get", "--model", LLAMA, "--prompt", PROMPT + " And more words here.", "--json"))
+    assert longer["matched"] == entry["tokens"] and longer["to_prefill"] == longer["tokens"] - entry["tokens"] > 0
+    other = js(cli("get", "--model", LLAMA, "--prompt", "Completely different.", "--json"))
+    # the chat template's opening tokens are shared: the entry is trimmed down to them
+    assert 0 < other["matched"] < entry["tokens"] and other["trimmed"] == entry["tokens"] - other["matched"]
+    miss = js(cli("get", "--model", LLAMA, "--prompt", "Completely different.", "--no-chat-template", "--json"))
+    assert miss["matched"] == 0 and miss["entry"] is None and miss["to_prefill"] == miss["tokens"]
+    human = cli("get", "--model", LLAMA, "--prompt", PROMPT).stdout
+    assert human.startswith(f"hit {entry['id']}: {entry['tokens']} of {entry['tokens']} tokens")
+
+
+def test_put_prompt_sources_agree_and_no_chat_template_differs(cli, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text(PROMPT)
+    a = put(cli, PROMPT)
+    b = js(cli("put", "--model", LLAMA, "--prompt-file", str(f), "--json"))
+    c = js(cli("put", "--model", LLAMA, "--prompt", "-", "--json", input=PROMPT))
+    assert a["id"] == b["id"] == c["id"]
+    raw = js(cli("put", "--model", LLAMA, "--prompt", PROMPT, "--no-chat-template", "--json"))
+    _, tok, _, _ = load_fixture("llama")
+    assert raw["tokens"] == len(tok.encode(PROMPT)) and raw["id"] != a["id"]
+
+
+def test_put_messages_file(cli, tmp_path):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps({"messages": msgs}))
+    entry = js(cli("put", "--model", LLAMA, "--messages", str(f), "--json"))
+    _, tok, _, _ = load_fixture("llama")
+    assert entry["tokens"] == len(tok.apply_chat_template(msgs, add_generation_prompt=False))
+    # a dense model's cache is trimmable: no checkpoints are needed
+    assert entry["checkpoints"] == []
+
+
+# -- ls -------------------------------------------------------------------------
+
+
+def test_ls_keys_sort_limit_and_model_filter(cli):
+    short = put(cli, "Hi.")
+    long_ = put(cli, "A much longer prompt with many more words in it than the other one.")
+    other = put(cli, "Hi.", QNEXT)
+    rows = js(cli("ls", "--json", "--sort", "tokens"))
+    assert [r["id"] for r in rows][0] == long_["id"]
+    assert {r["id"] for r in rows} == {short["id"], long_["id"], other["id"]}
+    for r in rows:
+        assert r["id"].startswith(r["key"]) and len(r["key"]) >= 12
+    by_size = js(cli("ls", "--json", "--sort", "size"))
+    assert [r["bytes"] for r in by_size] == sorted((r["bytes"] for r in by_size), reverse=True)
+    assert len(js(cli("ls", "--json", "--limit", "1"))) == 1
+    assert {r["id"] for r in js(cli("ls", "--json", "--model", QNEXT))} == {other["id"]}
+    assert {r["id"] for r in js(cli("ls", "--json", "--model", "llama"))} == {short["id"], long_["id"]}
+    table = cli("ls", "--limit", "2").stdout.splitlines()
+    assert table[0].split() == ["KEY", "MODEL", "KINDS", "TOKENS", "SIZE", "LAST", "USED"]
+    assert len(table) == 4 and table[-1].startswith("3 entries, ") and table[-1].endswith("(showing 2)")
+    key = table[1].split()[0]
+    assert js(cli("export", key, "-o", str(_tmp(cli) / "x.safetensors"), "--json"))["entry"]["id"].startswith(key)
+
+
+def _tmp(cli):
+    from pathlib import Path
+
+    return Path(cli.store_dir).parent
+
+
+def test_key_length_grows_until_unique():
+    assert key_length(["0123456789abcdef", "fedcba9876543210"]) == 12
+    assert key_length(["0123456789abcd00", "0123456789abcd11"]) == 15
+    assert key_length([]) == 12
+
+
+# -- rm -------------------------------------------------------------------------
+
+
+def test_rm_plans_refuses_without_tty_and_deletes_with_yes(cli):
+    a = put(cli, "First prompt.")
+    b = put(cli, "Second prompt.")
+    plan = js(cli("rm", a["id"][:12], "--dry-run", "--json"))
+    assert plan["dry_run"] and [p["id"] for p in plan["planned"]] == [a["id"]] and plan["removed"] == []
+    assert len(js(cli("ls", "--json"))) == 2
+    human = cli("rm", a["id"][:12], "--dry-run").stdout
+    assert "plan: remove 1 entry" in human and "nothing removed" in human
+    refused = cli("rm", a["id"][:12], "--json", code=1)  # CliRunner's stdin is no terminal
+    assert js(refused)["error"] == "NeedsConfirmation" and "--yes" in js(refused)["message"]
+    done = js(cli("rm", a["id"][:12], "--yes", "--json"))
+    assert done["removed"] == [a["id"]] and done["bytes"] == a["bytes"]
+    assert [r["id"] for r in js(cli("ls", "--json"))] == [b["id"]]
+    missing = cli("rm", a["id"], "--yes", code=1)
+    assert missing.stderr.startswith("error: ") and a["id"] in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_rm_by_model_and_older_than(cli, monkeypatch):
+    old = put(cli, "Old prompt.")
+    young = put(cli, "Young prompt.")
+    hybrid = put(cli, "Old prompt.", QNEXT)
+    # age one entry: rewrite its last-use time as if it was used ten days ago
+    import promptstore.store as store_mod
+
+    ten_days_ago = _time.time() - 10 * 86400
+    monkeypatch.setattr(store_mod.time, "time", lambda: ten_days_ago)
+    with PromptStore(cli.store_dir) as s:
+        s.load(old["id"])
+    monkeypatch.undo()
+    plan = js(cli("rm", "--older-than", "7d", "--dry-run", "--json"))
+    assert [p["id"] for p in plan["planned"]] == [old["id"]]
+    assert js(cli("rm", "--older-than", "1d", "--model", QNEXT, "--yes", "--json"))["removed"] == []
+    assert js(cli("rm", "--model", QNEXT, "--yes", "--json"))["removed"] == [hybrid["id"]]
+    assert js(cli("rm", "--older-than", "1w", "--yes", "--json"))["removed"] == [old["id"]]
+    assert [r["id"] for r in js(cli("ls", "--json"))] == [young["id"]]
+    assert "nothing to remove" in cli("rm", "--older-than", "30m", "--yes").stdout
+
+
+def test_rm_usage_errors_exit_2(cli):
+    cli("rm", code=2)
+    err = cli("rm", "abc", "--model", LLAMA, "--json", code=2)
+    assert js(err) == {"error": "UsageError", "message": "give KEYs, or --model/--older-than, not both", "exit_code": 2}
+    assert "not a duration" in js(cli("rm", "--older-than", "soon", "--json", code=2))["message"]
+
+
+def test_parse_duration():
+    assert parse_duration("7d") == timedelta(days=7)
+    assert parse_duration("1d12h") == timedelta(hours=36)
+    assert parse_duration("30m") == timedelta(minutes=30)
+    assert parse_duration(" 2w ") == timedelta(weeks=2)
+    for bad in ("", "7", "d", "7y", "7d x"):
+        with pytest.raises(click.BadParameter):
+            parse_duration(bad)
+
+
+# -- stats / verify ---------------------------------------------------------------
+
+
+def test_stats_counts_entries_bytes_models_kinds_hits_and_misses(cli):
+    a = put(cli, "One.")
+    b = put(cli, "One.", QNEXT)
+    cli("get", "--model", LLAMA, "--prompt", "One.")
+    cli("get", "--model", LLAMA, "--prompt", "Something else entirely.", "--no-chat-template")
+    cli("get", "--model", QNEXT, "--prompt", "One.")
+    doc = js(cli("stats", "--json"))
+    assert doc["entries"] == 2 and doc["live_bytes"] == a["bytes"] + b["bytes"]
+    assert doc["file_bytes"] >= doc["live_bytes"]
+    assert (doc["hits"], doc["misses"]) == (2, 1) and abs(doc["hit_rate"] - 2 / 3) < 1e-12
+    assert {m["name"]: m["entries"] for m in doc["models"].values()} == {"llama": 1, "qwen3_next": 1}
+    assert doc["models"][a["model"]]["bytes"] == a["bytes"]
+    assert doc["kinds"]["kv"]["entries"] == 2 and doc["kinds"]["arrays"]["entries"] == 1
+    assert doc["kinds"]["kv"]["layers"] == 2 + b["kinds"].count("kv")
+    human = cli("stats").stdout
+    assert "2 hits, 1 misses" in human and "llama" in human and human.strip().endswith(f"2 entries, {human.split()[-2]} {human.split()[-1]}")
+
+
+def test_verify_detects_and_fixes_damage(cli):
+    good = put(cli, "Good entry.")
+    bad = put(cli, "Entry to damage.")
+    ok = js(cli("verify", "--json"))
+    assert ok["ok"] and ok["checked"] == 2 and ok["problems"] == []
+    with PromptStore(cli.store_dir) as s:
+        chunk = bytearray(get_chunk(s, bad["id"], 0))
+        chunk[len(chunk) // 2] ^= 0x40
+        set_chunk(s, bad["id"], 0, chunk)
+    found = js(cli("verify", "--json", code=1))
+    assert not found["ok"] and [p["id"] for p in found["problems"]] == [bad["id"]] and not found["fixed"]
+    assert "verify --fix" in cli("verify", code=1).stderr
+    fixed = js(cli("verify", "--fix", "--json", code=1))  # problems were found: still exit 1
+    assert fixed["fixed"] and [p["id"] for p in fixed["problems"]] == [bad["id"]]
+    assert js(cli("verify", "--json"))["ok"]
+    assert [r["id"] for r in js(cli("ls", "--json"))] == [good["id"]]
+
+
+# -- export / import ---------------------------------------------------------------
+
+
+def test_export_writes_an_mlx_lm_file_that_imports_back(cli, tmp_path):
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import load_prompt_cache
+
+    entry = put(cli, PROMPT, QNEXT)
+    out = tmp_path / "e.safetensors"
+    doc = js(cli("export", entry["id"][:10], "-o", str(out), "--model", QNEXT, "--json"))
+    assert doc["tokens"] == entry["tokens"] and doc["model"] == QNEXT
+    cache, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert meta["model"] == QNEXT
+    with PromptStore(cli.store_dir) as s:
+        stored, _, tokens = s.load(entry["id"])
+    assert json.loads(meta["promptstore_tokens"]) == tokens
+    assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in stored]
+    for mine, theirs in zip(stored, cache):
+        a = [v for _, v in tree_flatten(mine.state) if isinstance(v, mx.array)]
+        b = [v for _, v in tree_flatten(theirs.state) if isinstance(v, mx.array)]
+        assert len(a) == len(b) and all(x.dtype == y.dtype and mx.array_equal(x, y).item() for x, y in zip(a, b))
+    cli("rm", entry["id"], "--yes")
+    back = js(cli("import", "--model", QNEXT, str(out), "--json"))  # tokens recorded: no prompt needed
+    assert back["id"] == entry["id"] and back["tokens"] == entry["tokens"]
+    assert js(cli("get", "--model", QNEXT, "--prompt", PROMPT, "--json"))["matched"] == entry["tokens"]
+
+
+def test_export_without_model_warns_and_checks_model(cli, tmp_path):
+    entry = put(cli, PROMPT)
+    res = cli("export", entry["id"], "-o", str(tmp_path / "a.safetensors"))
+    assert "warning:" in res.stderr and "--model DIR" in res.stderr
+    err = js(cli("export", entry["id"], "-o", str(tmp_path / "b.safetensors"), "--model", QNEXT, "--json", code=1))
+    assert err["error"] == "ModelMismatch"
+    assert js(cli("export", entry["id"], "-o", str(tmp_path / "c.bin"), "--json", code=2))["error"] == "UsageError"
+    assert js(cli("export", "ffff", "-o", str(tmp_path / "d.safetensors"), "--json", code=1))["error"] == "EntryNotFound"
+
+
+def test_import_refuses_coverage_and_model_mismatches(cli, tmp_path):
+    entry = put(cli, PROMPT)
+    out = tmp_path / "f.safetensors"
+    cli("export", entry["id"], "-o", str(out), "--model", LLAMA)
+    err = js(cli("import", "--model", LLAMA, "--prompt", "Short.", str(out), "--json", code=1))
+    assert err["error"] == "CoverageMismatch" and f"covers {entry['tokens']} tokens" in err["message"]
+    err = js(cli("import", "--model", QNEXT, "--prompt", PROMPT, str(out), "--json", code=1))
+    assert err["error"] == "ModelMismatch"
+    # a plain mlx-lm file (no promptstore metadata) from another model: the layers do not fit
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from promptstore.prefill import prefill
+
+    qmodel, qtok, _, _ = load_fixture("qwen3_next")
+    toks = encode_prompt(qtok, PROMPT)
+    plain = tmp_path / "plain.safetensors"
+    save_prompt_cache(str(plain), prefill(qmodel, toks), {"model": "x", "tokenizer_config": "{}"})
+    err = js(cli("import", "--model", LLAMA, "--prompt", PROMPT, str(plain), "--json", code=1))
+    assert err["error"] == "ModelMismatch"
+    err = js(cli("import", "--model", QNEXT, str(plain), "--json", code=1))
+    assert err["error"] == "InvalidInput" and "no token ids" in err["message"]
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    assert js(cli("import", "--model", QNEXT, "--prompt", PROMPT, str(junk), "--json", code=1))["error"] == "CorruptEntry"
+    assert js(cli("ls", "--json")) == [js(cli("ls", "--json"))[0]]  # only the llama entry
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def test_expected_errors_are_one_line_and_usage_errors_exit_2(cli, tmp_path):
+    res = cli("get", "--model", str(tmp_path / "nope"), "--prompt", "x", code=1)
+    assert res.stderr.startswith("error: ") and "config.json" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    err = js(cli("get", "--model", str(tmp_path / "nope"), "--prompt", "x", "--json", code=1))
+    assert err["error"] == "InvalidInput" and err["exit_code"] == 1
+    cli("get", "--model", LLAMA, "--prompt", "x", "--prompt-file", __file__, code=2)
+    both = js(cli("get", "--model", LLAMA, "--json", code=2))
+    assert both["error"] == "UsageError" and "exactly one of" in both["message"]
+    parse = js(cli("ls", "--sort", "bogus", "--json", code=2))
+    assert parse["error"] == "UsageError" and "bogus" in parse["message"]
+    assert "Usage:" in cli("ls", "--sort", "bogus", code=2).stderr
+    assert js(cli("put", "--model", LLAMA, "--prompt", "x", "--meta", "novalue", "--json", code=2))["error"] == "UsageError"
+    assert "error" in js(cli("get", "--json", "--prompt", "x", code=2))  # missing --model
