@@ -197,6 +197,9 @@ def speculative_generate_step(
 
         y = mx.array(tokens[emit - 1 : emit], mx.uint32)
         draft_y = mx.array(tokens[draft_keep:emit], mx.uint32)
+        if ntoks + emit == max_tokens and draft_y.size > 1:
+            # Last round: let the draft catch up so both caches end where greedy would.
+            draft_model(draft_y[:-1][None], cache=draft_cache)
         for j in range(emit):
             ntoks += 1
             yield tokens[j], logprobs[j], j < n

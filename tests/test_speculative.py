@@ -1,0 +1,101 @@
+"""Speculative decoding on hybrid models equals greedy decoding, token for token."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.generate import generate_step, speculative_generate_step as mlx_speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+
+from promptstore.errors import InvalidInput
+from promptstore.speculative import SpeculativeStats, speculative_generate, speculative_generate_step
+from promptstore.ssm import SSMCache, make_prompt_cache
+
+MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+HYBRIDS = ("qwen3_next", "qwen3_5")
+PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 8, 9]
+MAX_TOKENS = 24
+
+
+@functools.lru_cache(maxsize=None)
+def models(arch: str):
+    """(plain reference, target, draft): the draft has the target's architecture and
+    other weights (the target's plus seeded noise), so it agrees only sometimes."""
+    plain, _ = load(str(MODELS / arch))
+    target, _ = load(str(MODELS / arch))
+    draft, _ = load(str(MODELS / arch))
+    mx.random.seed(7)
+    noisy = [
+        (k, v + 0.05 * mx.random.normal(v.shape).astype(v.dtype) * mx.abs(v).mean() if v.ndim >= 2 else v)
+        for k, v in tree_flatten(draft.parameters())
+    ]
+    draft.load_weights(noisy)
+    return plain, target, draft
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_reference(arch: str):
+    plain = models(arch)[0]
+    return [t for t, _ in generate_step(mx.array(PROMPT), plain, max_tokens=MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_speculative_equals_greedy(arch, k):
+    _, target, draft = models(arch)
+    result = speculative_generate(target, draft, PROMPT, max_tokens=MAX_TOKENS, num_draft_tokens=k)
+    assert result.tokens == greedy_reference(arch)
+    # the draft sometimes agrees and sometimes not, so rollbacks of every kind ran
+    accepted = [n for _, n in result.per_round]
+    assert 0 in accepted and any(n > 0 for n in accepted)
+    assert 0 < result.acceptance < 1
+    assert sum(result.from_draft) == min(result.accepted, MAX_TOKENS)
+    assert result.drafted == sum(d for d, _ in result.per_round)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_rounds_cover_partial_and_full_accepts(arch):
+    _, target, draft = models(arch)
+    seen = set()
+    for k in (2, 3, 4):
+        result = speculative_generate(target, draft, PROMPT, max_tokens=MAX_TOKENS, num_draft_tokens=k)
+        seen |= {"partial" if 0 < n < d else "full" if n == d else "none" for d, n in result.per_round}
+    assert seen == {"none", "partial", "full"}
+
+
+def test_caches_cover_prompt_and_tokens_but_the_last():
+    _, target, draft = models("qwen3_5")
+    cache, dcache = make_prompt_cache(target), make_prompt_cache(draft)
+    stats = SpeculativeStats()
+    tokens = [
+        t
+        for t, _, _ in speculative_generate_step(
+            mx.array(PROMPT), target, draft, num_draft_tokens=3, max_tokens=MAX_TOKENS,
+            prompt_cache=cache, draft_cache=dcache, stats=stats,
+        )
+    ]
+    assert tokens == greedy_reference("qwen3_5") and stats.rounds == len(stats.per_round) > 0
+    covered = len(PROMPT) + len(tokens) - 1
+    assert [c.offset for c in cache] == [covered] * 4 and [c.offset for c in dcache] == [covered] * 4
+    assert not any(c.in_round for c in cache + dcache if isinstance(c, SSMCache))
+    # continuing from the speculative caches equals continuing the greedy run
+    plain = models("qwen3_5")[0]
+    ref = mlx_make_prompt_cache(plain)
+    plain(mx.array([PROMPT + tokens[:-1]]), cache=ref)
+    last = mx.array([[tokens[-1]]])
+    assert mx.array_equal(target(last, cache=cache), plain(last, cache=ref)).item()
+
+
+def test_mlx_lm_refuses_and_bad_caches_are_refused():
+    plain, target, draft = models("qwen3_next")
+    with pytest.raises(ValueError, match="trimmable"):  # why this module exists (mlx-lm #1446)
+        next(mlx_speculative_generate_step(mx.array(PROMPT), plain, plain))
+    with pytest.raises(InvalidInput, match="make_prompt_cache"):
+        next(speculative_generate_step(mx.array(PROMPT), target, draft, prompt_cache=mlx_make_prompt_cache(target)))
+    with pytest.raises(InvalidInput):
+        next(speculative_generate_step(mx.array(PROMPT), target, draft, num_draft_tokens=0))
