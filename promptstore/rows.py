@@ -487,7 +487,7 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
         return merged
     for layer, new in zip(batch, merged):
         layer.extend(new)
-    return batch
+    return batch_cache if isinstance(batch_cache, list) else batch
 
 
 def _check_settled_all(batch: Sequence[Any]) -> None:
