@@ -13,6 +13,11 @@ from promptstore.cli._select import key_length, model_filter, model_help, parse_
 from promptstore.cli.ls import entry_rows, plural, render_table
 
 
+def interactive() -> bool:
+    """Whether a person can answer the confirmation (standard input is a terminal)."""
+    return sys.stdin.isatty()
+
+
 @command()
 @click.argument("keys", nargs=-1)
 @click.option("--model", default=None, help=model_help("Remove"))
@@ -72,10 +77,10 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
         report([])
         return
     if not yes:
-        if not sys.stdin.isatty():
+        if not interactive():
             fail("NeedsConfirmation", f"refusing to remove {plural(len(plan))} ({format_size(total)}) without a terminal to confirm; pass --yes", as_json)
         if not click.confirm(f"Remove {plural(len(plan))}, {format_size(total)}?", default=False, err=True):
-            fail("Aborted", "nothing removed", as_json)
+            fail("Aborted", "not confirmed; nothing removed", as_json)
     removed, missing = [], []
     for info in plan:
         try:

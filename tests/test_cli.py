@@ -147,6 +147,19 @@ def test_rm_plans_refuses_without_tty_and_deletes_with_yes(cli):
     assert missing.stderr.startswith("error: ") and a["id"] in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
 
 
+def test_rm_asks_on_a_terminal(cli, monkeypatch):
+    import promptstore.cli.rm as rm_mod
+
+    a = put(cli, "First prompt.")
+    monkeypatch.setattr(rm_mod, "interactive", lambda: True)
+    no = cli("rm", a["id"], input="n\n", code=1)
+    assert "Remove 1 entry" in no.stderr and "nothing removed" in no.stderr
+    assert len(js(cli("ls", "--json"))) == 1
+    yes = cli("rm", a["id"], input="y\n")
+    assert yes.stdout.strip().endswith(f"removed 1 entry, {yes.stdout.split()[-2]} {yes.stdout.split()[-1]}")
+    assert js(cli("ls", "--json")) == []
+
+
 def test_rm_by_model_and_older_than(cli, monkeypatch):
     old = put(cli, "Old prompt.")
     young = put(cli, "Young prompt.")
