@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import msgpack
@@ -88,6 +88,7 @@ class Manifest:
     trimmable: bool
     meta: Dict[str, Any]
     entry_id: str
+    intact: Optional[bool] = None  # manifest checksum: True ok, False damaged, None absent (older writer)
 
     @property
     def kinds(self) -> Tuple[str, ...]:
@@ -186,11 +187,26 @@ def pack_manifest(
         "trimmable": trimmable,
         "meta": meta,
         "id": entry_id,
+        "check": bytes(8),  # last: the xxh3-64 of every manifest byte before these 8
     }
     try:
-        return msgpack.packb(doc, use_bin_type=True)
+        raw = msgpack.packb(doc, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as err:
         raise InvalidInput(f"entry metadata is not serialisable: {err}") from err
+    return raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
+
+
+_KNOWN = {"format", "model", "model_name", "tokens", "layers", "payload", "chunks", "chunk_size",
+          "created", "trimmable", "meta", "id", "check"}
+
+
+def _intact(doc: dict, raw: bytes) -> Optional[bool]:
+    """Whether the manifest checksum holds (None: written without one)."""
+    if "check" not in doc:
+        # A damaged "check" key name leaves an unknown key behind: that is damage too.
+        return False if set(doc) - _KNOWN else None
+    check = doc["check"]
+    return isinstance(check, bytes) and raw[-8:] == check and xxhash.xxh3_64_digest(raw[:-8]) == check
 
 
 def _field(doc: dict, key: str, types: Any, where: str) -> Any:
@@ -290,6 +306,7 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
         trimmable=_field(doc, "trimmable", bool, where),
         meta=_field(doc, "meta", dict, where),
         entry_id=_field(doc, "id", str, where),
+        intact=_intact(doc, raw),
     )
 
 
@@ -299,13 +316,9 @@ def read_arrays(man: Manifest, get_chunk: Callable[[int], Any], where: str) -> L
     ``get_chunk(i)`` returns chunk ``i`` as a buffer, or None when missing.
     It must be called inside the read transaction that owns the buffers.
     """
-    dests: List[Tuple[ArrayRecord, mx.array]] = []
-    for layer in man.layers:
-        for rec in layer.arrays:
-            dests.append((rec, mx.zeros((rec.nbytes,), dtype=mx.uint8)))
-    mx.eval([d for _, d in dests])
-    host = [np.asarray(d) for _, d in dests]
-    ai, apos = 0, 0  # current destination array and position in it
+    # Every chunk is present with its exact length before anything is
+    # allocated: a manifest claiming a huge payload costs nothing.
+    bufs = []
     for ci in range(man.chunks):
         buf = get_chunk(ci)
         if buf is None:
@@ -313,6 +326,16 @@ def read_arrays(man: Manifest, get_chunk: Callable[[int], Any], where: str) -> L
         expect = min(CHUNK, man.payload - ci * CHUNK)
         if len(buf) != expect:
             raise CorruptEntry(f"{where}: payload chunk {ci} has {len(buf)} bytes, expected {expect}")
+        bufs.append(buf)
+    dests: List[Tuple[ArrayRecord, mx.array]] = []
+    for layer in man.layers:
+        for rec in layer.arrays:
+            dests.append((rec, mx.zeros((rec.nbytes,), dtype=mx.uint8)))
+    mx.eval([d for _, d in dests])
+    host = [np.asarray(d) for _, d in dests]
+    ai, apos = 0, 0  # current destination array and position in it
+    for ci, buf in enumerate(bufs):
+        expect = len(buf)
         src = np.frombuffer(buf, dtype=np.uint8)
         cpos = 0
         while cpos < expect:
@@ -348,5 +371,12 @@ def decode_layers(man: Manifest, arrays: List[Dict[str, mx.array]], where: str) 
             raise type(err)(f"{where} layer {li}: {err}") from err
         except Exception as err:  # a codec tripping over damaged meta must not escape untyped
             raise CorruptEntry(f"{where} layer {li} ({rec.kind}): {type(err).__name__}: {err}") from err
+    # Checked last, so that a manifest edited on purpose still reports its
+    # structural error (unknown kind, newer version) first.
+    if man.intact is False:
+        raise CorruptEntry(
+            f"{where}: manifest checksum mismatch (its metadata is damaged); "
+            "run `promptstore verify --fix` to remove damaged entries"
+        )
     mx.eval([a for d in arrays for a in d.values()])
     return layers

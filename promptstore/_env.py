@@ -1,4 +1,5 @@
-"""The LMDB environment: opening, transactions, map growth, error translation.
+"""The LMDB environment: opening, transactions, map growth, error translation,
+and the generation switch that makes compaction safe across processes.
 
 Facts this module encodes (measured, see DESIGN.md):
 * ``map_size`` is only address space: it starts large; on ``MapFullError``
@@ -8,15 +9,35 @@ Facts this module encodes (measured, see DESIGN.md):
 * ``reader_check()`` on open clears reader slots of dead processes, whose
   stale snapshots would otherwise block page reuse forever.
 * An environment must never cross ``fork()``: every call checks the pid.
+* A full disk (ENOSPC) and a file-size limit (EFBIG) both reach Python as
+  ``mdb_txn_commit: Input/output error``; a failed commit is probed to tell
+  them from a real I/O error, and both become :class:`StoreFull`.
+
+Generations (compaction). LMDB files never shrink and a data file cannot be
+swapped under a lock file that other processes share. So the store directory
+holds generation 0 (``data.mdb``, ``lock.mdb``) and, after compaction,
+``gen-N/`` directories; the file ``CURRENT`` (replaced atomically) names the
+live one. The compactor holds the live generation's write lock while it copies
+and switches ``CURRENT``, so no commit can land in the old files after the
+copy. Every write transaction re-reads ``CURRENT`` after it holds the write
+lock and, when it changed, aborts and retries in the new generation; reads
+notice the switch by a ``stat`` of ``CURRENT`` at their start (a read that
+starts just before a switch sees a consistent, slightly older snapshot).
+Old generations' files are unlinked; processes still mapping them keep
+them alive until they move on.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import resource
+import shutil
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import lmdb
 
@@ -26,44 +47,125 @@ T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; grows on demand
 MAX_MAP_SIZE = 1 << 46
-DBS = (b"entries", b"chunks", b"nodes", b"ends", b"used", b"ids", b"info")
+DBS = (b"entries", b"chunks", b"nodes", b"ends", b"used", b"ids", b"info", b"pins", b"sizes")
 _DUPSORT = {b"ends"}
+CURRENT = "CURRENT"
+_PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
+
+
+def live_dir(path: Path) -> Tuple[Path, str]:
+    """The directory of the live generation and its name ("." for generation 0)."""
+    try:
+        name = (path / CURRENT).read_text().strip()
+    except FileNotFoundError:
+        return path, "."
+    except OSError as err:
+        raise StoreUnavailable(f"{path}: cannot read {CURRENT} ({err}); check permissions") from err
+    if name != "." and not (name.startswith("gen-") and name[4:].isdigit()):
+        raise StoreUnavailable(
+            f"{path}/{CURRENT} names {name!r}, not a generation; restore it (e.g. `echo gen-1 > {CURRENT}` "
+            "naming the newest gen-N directory) or salvage with `promptstore salvage`"
+        )
+    return (path if name == "." else path / name), name
+
+
+def _signature(path: Path):
+    try:
+        st = os.stat(path / CURRENT)
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+
+class _Gen:
+    """One open generation: its lmdb environment, tables and live transactions."""
+
+    def __init__(self, env: lmdb.Environment, db: Dict[bytes, object], name: str, where: Path):
+        self.env, self.db, self.name, self.dir = env, db, name, where
+        self.active = 0
 
 
 class Env:
-    """One open LMDB environment with the promptstore tables."""
+    """One open LMDB environment with the promptstore tables.
+
+    ``env`` and ``db`` always belong to the live generation; ``db`` is one dict
+    updated in place, so references to it stay valid across a switch.
+    """
 
     def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False):
         self.path = path
         self.pid = os.getpid()
-        try:
-            if not readonly:
+        self.readonly = readonly
+        self.map_size = map_size
+        self.db: Dict[bytes, object] = {}
+        self._lock = threading.Condition()
+        if not readonly:
+            try:
                 path.mkdir(parents=True, exist_ok=True)
-            self.env = lmdb.open(
-                str(path),
-                map_size=map_size,
+            except OSError as err:
+                raise StoreUnavailable(f"{path}: cannot create the store directory ({err}); check the path and permissions") from err
+        self._gen = self._open_live()
+        self.env = self._gen.env
+        self.db.update(self._gen.db)
+
+    # -- opening -------------------------------------------------------------
+
+    def _open_live(self) -> _Gen:
+        for _ in range(20):
+            sig = _signature(self.path)
+            where, name = live_dir(self.path)
+            try:
+                gen = self._open_gen(where, name)
+            except StoreError:
+                if _signature(self.path) != sig:
+                    continue  # a compaction switched generations while we opened: follow it
+                raise
+            if _signature(self.path) == sig:
+                self._sig = sig
+                return gen
+            gen.env.close()
+        raise StoreUnavailable(f"{self.path}: the store kept switching generations while opening; retry")
+
+    def _open_gen(self, where: Path, name: str) -> _Gen:
+        try:
+            env = lmdb.open(
+                str(where),
+                map_size=self.map_size,
                 max_dbs=len(DBS) + 1,
                 max_readers=1024,
-                readonly=readonly,
-                create=not readonly,
+                readonly=self.readonly,
+                create=not self.readonly and name == ".",
                 subdir=True,
                 max_spare_txns=4,
             )
         except lmdb.Error as err:
-            raise translate(err, path, "open") from err
+            raise translate(err, where, "open") from err
         except OSError as err:
-            raise StoreUnavailable(f"{path}: cannot open store ({err}); check the path and permissions") from err
+            raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
         try:
-            self.env.reader_check()
-            self.db = {}
-            with self.begin(write=not readonly) as txn:
-                for name in DBS:
-                    self.db[name] = self.env.open_db(
-                        name, txn=txn, create=not readonly, dupsort=name in _DUPSORT
-                    )
+            env.reader_check()
+            db = {}
+            with env.begin(write=not self.readonly) as txn:
+                for dbname in DBS:
+                    try:
+                        db[dbname] = env.open_db(dbname, txn=txn, create=not self.readonly, dupsort=dbname in _DUPSORT)
+                    except lmdb.NotFoundError:
+                        if dbname in (b"pins", b"sizes"):  # read-only open of a store older than these tables
+                            continue
+                        raise
         except lmdb.Error as err:
-            self.env.close()
-            raise translate(err, path, "open") from err
+            env.close()
+            raise translate(err, where, "open") from err
+        return _Gen(env, db, name, where)
+
+    @property
+    def dir(self) -> Path:
+        """The directory of the live generation's ``data.mdb``."""
+        return self._gen.dir
+
+    @property
+    def generation(self) -> str:
+        return self._gen.name
 
     def check_pid(self) -> None:
         if os.getpid() != self.pid:
@@ -72,56 +174,212 @@ class Env:
                 f"{os.getpid()}; LMDB environments cannot cross fork(): open a new PromptStore in the child"
             )
 
-    def begin(self, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
-        self.check_pid()
+    # -- generation switch -----------------------------------------------------
+
+    def _follow(self, force: bool = False) -> _Gen:
+        """The generation to start a transaction in (switching when idle)."""
+        with self._lock:
+            sig = _signature(self.path)
+            if force or sig != self._sig:
+                where, _ = live_dir(self.path)
+                if where == self._gen.dir:
+                    self._sig = sig
+                else:
+                    deadline = time.monotonic() + 60
+                    while self._gen.active and force:
+                        if time.monotonic() > deadline:
+                            raise StoreUnavailable(
+                                f"{self.path}: the store was compacted but this process keeps a transaction "
+                                "open on the old generation; finish it (no write inside a read) and retry"
+                            )
+                        self._lock.wait(0.05)  # a write must wait for this process's open txns
+                    if not self._gen.active:  # else: a read in an older, consistent snapshot
+                        new = self._open_live()
+                        self._gen.env.close()
+                        self._gen = new
+                        self.env = new.env
+                        self.db.clear()
+                        self.db.update(self._gen.db)
+            self._gen.active += 1
+            return self._gen
+
+    def _release(self, gen: _Gen) -> None:
+        with self._lock:
+            gen.active -= 1
+            self._lock.notify_all()
+
+    def _begin(self, gen: _Gen, write: bool, buffers: bool) -> lmdb.Transaction:
         for _ in range(3):
             try:
-                return self.env.begin(write=write, buffers=buffers)
+                return gen.env.begin(write=write, buffers=buffers)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)  # another process grew the map: adopt its size
+                gen.env.set_mapsize(0)  # another process grew the map: adopt its size
             except lmdb.Error as err:
-                raise translate(err, self.path, "begin transaction") from err
+                raise translate(err, gen.dir, "begin transaction") from err
         raise StoreUnavailable(f"{self.path}: the map kept being resized by other processes; retry")
+
+    def begin(self, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
+        """A raw transaction on the live generation (prefer :meth:`read`/:meth:`write`)."""
+        self.check_pid()
+        return self._begin(self._gen, write, buffers)
 
     @contextmanager
     def read(self, buffers: bool = False) -> Iterator[lmdb.Transaction]:
         """A short read transaction. Buffers from it die with it."""
-        txn = self.begin(buffers=buffers)
+        self.check_pid()
+        gen = self._follow()
         try:
-            yield txn
-        except lmdb.Error as err:
-            raise translate(err, self.path, "read") from err
+            txn = self._begin(gen, False, buffers)
+            try:
+                yield txn
+            except lmdb.Error as err:
+                raise translate(err, gen.dir, "read") from err
+            finally:
+                txn.abort()
         finally:
-            txn.abort()
+            self._release(gen)
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn(txn)`` in a write transaction and commit; grow the map and
         retry when it is full. All or nothing: on error nothing is written."""
+        self.check_pid()
+        moved = False
         while True:
-            txn = self.begin(write=True)
+            gen = self._follow(force=moved)
+            moved = False
             try:
-                result = fn(txn)
-                txn.commit()
-                return result
-            except lmdb.MapFullError as err:
-                txn.abort()
-                size = self.env.info()["map_size"]
-                if size * 2 > MAX_MAP_SIZE:
-                    raise StoreFull(
-                        f"{self.path}: LMDB map of {size} bytes is full; delete entries or run "
-                        "`promptstore gc`"
-                    ) from err
-                self.env.set_mapsize(size * 2)
+                txn = self._begin(gen, True, False)
+                try:
+                    if gen.name != live_dir(self.path)[1]:
+                        moved = True  # compacted while we waited for the write lock
+                        txn.abort()
+                        continue
+                    result = fn(txn)
+                    txn.commit()
+                    return result
+                except lmdb.MapFullError as err:
+                    txn.abort()
+                    size = gen.env.info()["map_size"]
+                    if size * 2 > MAX_MAP_SIZE:
+                        raise StoreFull(
+                            f"{self.path}: LMDB map of {size} bytes is full; delete entries or run "
+                            "`promptstore gc`"
+                        ) from err
+                    gen.env.set_mapsize(size * 2)
+                except lmdb.Error as err:
+                    txn.abort()
+                    raise translate(err, gen.dir, "write") from err
+                except BaseException:
+                    txn.abort()
+                    raise
+            finally:
+                self._release(gen)
+
+    # -- compaction --------------------------------------------------------------
+
+    def compact(self) -> Tuple[int, int]:
+        """Rewrite the live generation compactly into a new one and switch to it.
+
+        Returns ``(bytes before, bytes after)`` of the data file. Safe while
+        other processes use the store (see the module docstring).
+        """
+        self.check_pid()
+        if self.readonly:
+            raise StoreUnavailable(f"{self.path}: cannot compact a store opened read-only")
+        while True:
+            gen = self._follow(force=True)
+            try:
+                wtxn = self._begin(gen, True, False)  # hold the writer lock: no commit may land in the old file
+                try:
+                    cur_name = live_dir(self.path)[1]
+                    if gen.name != cur_name:
+                        continue
+                    before = (gen.dir / "data.mdb").stat().st_size
+                    n = 0 if gen.name == "." else int(gen.name[4:])
+                    new_name = f"gen-{n + 1}"
+                    new_dir = self.path / new_name
+                    shutil.rmtree(new_dir, ignore_errors=True)
+                    new_dir.mkdir()
+                    rtxn = gen.env.begin(write=False)
+                    try:
+                        gen.env.copy(str(new_dir), compact=True, txn=rtxn)
+                    finally:
+                        rtxn.abort()
+                    fd = os.open(new_dir / "data.mdb", os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    after = (new_dir / "data.mdb").stat().st_size
+                    tmp = self.path / f"{CURRENT}.{os.getpid()}.tmp"
+                    tmp.write_text(new_name + "\n")
+                    fd = os.open(tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.replace(tmp, self.path / CURRENT)
+                    dfd = os.open(self.path, os.O_RDONLY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+                finally:
+                    wtxn.abort()
             except lmdb.Error as err:
-                txn.abort()
-                raise translate(err, self.path, "write") from err
-            except BaseException:
-                txn.abort()
-                raise
+                raise translate(err, gen.dir, "compact") from err
+            except OSError as err:
+                full = err.errno in (errno.ENOSPC, errno.EFBIG)
+                cls = StoreFull if full else StoreError
+                raise cls(f"{self.path}: compact: {err}; the store is unchanged" + ("; free disk space" if full else "")) from err
+            finally:
+                self._release(gen)
+            self._follow(force=True)
+            self._release(self._gen)
+            self._remove_old(new_name)
+            return before, after
+
+    def _remove_old(self, live: str) -> None:
+        """Unlink every generation but ``live`` (mappings elsewhere stay valid)."""
+        if live != ".":
+            for name in ("data.mdb", "lock.mdb"):
+                try:
+                    os.unlink(self.path / name)
+                except FileNotFoundError:
+                    pass
+        for d in self.path.glob("gen-*"):
+            if d.name != live and d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
 
     def close(self) -> None:
         if os.getpid() == self.pid:
-            self.env.close()
+            self._gen.env.close()
+
+
+def _disk_full(where: Path) -> Optional[str]:
+    """Why a failed commit in ``where`` was (probably) out of space, or None."""
+    try:
+        st = os.statvfs(where)
+        free = min(st.f_bavail, st.f_bfree) * st.f_frsize
+        if free < _PROBE:
+            return f"only {free} bytes free on the disk"
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        data = where / "data.mdb"
+        if soft != resource.RLIM_INFINITY and data.exists() and data.stat().st_size + _PROBE > soft:
+            return f"the process file-size limit (ulimit -f) of {soft} bytes is reached"
+        probe = where / f".space-probe.{os.getpid()}"
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, _PROBE)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                return f"no room for {_PROBE} more bytes ({os.strerror(err.errno)})"
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError:
+        return None
+    return None
 
 
 def translate(err: lmdb.Error, path: Path, stage: str) -> StoreError:
@@ -130,8 +388,15 @@ def translate(err: lmdb.Error, path: Path, stage: str) -> StoreError:
     text = str(err)
     if isinstance(err, lmdb.MapFullError):
         return StoreFull(f"{path}: {stage}: LMDB map is full; delete entries or run `promptstore gc`")
-    if code == errno.ENOSPC or "No space left" in text or isinstance(err, lmdb.DiskError):
+    if code in (errno.ENOSPC, errno.EFBIG) or "No space left" in text or "too large" in text or isinstance(err, lmdb.DiskError):
         return StoreFull(f"{path}: {stage}: the disk is full ({text}); free space or lower the budget")
+    if "Input/output error" in text:
+        why = _disk_full(path)
+        if why is not None:
+            return StoreFull(
+                f"{path}: {stage}: {why}; nothing of this write was kept. Free disk space, "
+                "lower the budget (`promptstore gc --budget`) or `promptstore compact`"
+            )
     if isinstance(err, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError)):
         return StoreUnavailable(
             f"{path}: {stage}: the store file is damaged ({text}); salvage intact entries with "

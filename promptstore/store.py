@@ -18,7 +18,8 @@ import msgpack
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from promptstore import _entry, _keys
+from promptstore import _budget, _entry, _keys
+from promptstore._capacity import CapacityMixin
 from promptstore._env import DEFAULT_MAP_SIZE, Env
 from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
 from promptstore.errors import (
@@ -95,7 +96,7 @@ class VerifyReport:
         return not self.problems and not self.orphan_chunks
 
 
-class PromptStore:
+class PromptStore(CapacityMixin):
     """Prompt caches in an LMDB environment.
 
     Args:
@@ -103,12 +104,14 @@ class PromptStore:
             ``~/.cache/promptstore``. Created when missing.
         map_size: initial LMDB map (address space only; it grows on demand).
         readonly: open without write access.
+        budget: a byte budget to set and remember in the store (see
+            :meth:`set_budget`); None keeps the stored one.
 
     One instance serves any number of threads; other processes may open the
     same path at the same time. Never use an instance across ``fork()``.
     """
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False):
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False, budget: Optional[int] = None):
         self.path = Path(path).expanduser() if path is not None else default_path()
         self._env = Env(self.path, map_size=map_size, readonly=readonly)
         self._db = self._env.db
@@ -116,6 +119,8 @@ class PromptStore:
         self._touched: Dict[bytes, float] = {}
         self._counts: Counter = Counter()
         self._check_format(readonly)
+        if budget is not None:
+            self.set_budget(budget)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -257,6 +262,8 @@ class PromptStore:
             txn.put(ekey, _F64.pack(now), db=self._db[b"used"])
             txn.put(eid.encode(), ekey, db=self._db[b"ids"])
             self._flush_in(txn)
+            # Budget: account this entry and evict LRU ones in this same transaction.
+            _budget.admit(txn, self._db, ekey, payload + len(manifest), self._unlink, str(self.path))
             # The manifest goes last: an entry is visible whole or not at all.
             txn.put(ekey, manifest, db=self._db[b"entries"])
 
@@ -332,6 +339,7 @@ class PromptStore:
                 pass  # damaged manifest: its index records become harmless dead ends
         txn.delete(ekey, db=self._db[b"used"])
         txn.delete(_keys.entry_id(ekey).encode(), db=self._db[b"ids"])
+        _budget.forget(txn, self._db, ekey)
         txn.delete(ekey, db=self._db[b"entries"])
 
     def delete(self, model: str, tokens: Sequence[int]) -> bool:
@@ -359,6 +367,7 @@ class PromptStore:
                 if raw is None:
                     continue
                 self._unlink(txn, ekey, raw)
+                txn.delete(ekey, db=self._db[b"pins"])
                 done += 1
             return done
 
@@ -641,7 +650,7 @@ class PromptStore:
 
     def file_size(self) -> int:
         """Bytes the LMDB data file takes on disk (it never shrinks by itself)."""
-        return (self.path / "data.mdb").stat().st_size
+        return (self.env.dir / "data.mdb").stat().st_size
 
     def verify(self, fix: bool = False) -> VerifyReport:
         """Check every manifest and checksum; with ``fix``, delete what is broken.
