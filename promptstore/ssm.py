@@ -24,8 +24,7 @@ Rounds need the recurrence to go through the cache (``recur_window`` /
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -33,52 +32,12 @@ from mlx_lm.models.cache import make_prompt_cache as _mlx_make_prompt_cache
 
 from promptstore import _ssm_recur as _recur
 from promptstore._ssm_adapter import adapt, is_gated_delta_layer, unadapt
-from promptstore.errors import InvalidInput, PromptStoreError
+from promptstore._ssm_round import RoundError, Rounds, as_list, is_int
+from promptstore.errors import InvalidInput
 
 __all__ = ["SSMCache", "RoundError", "make_prompt_cache", "adapt", "unadapt"]
 
-
-class RoundError(PromptStoreError):
-    """A speculative round was used out of order.
-
-    Raised for ``commit``/``rollback`` without ``begin_round``, a second window
-    call in one round, a row move or persistence while a round is open, and a
-    slot written behind the cache's back during a round (install the adapter).
-    """
-
-
-Keep = Union[int, Sequence[int]]
-
-
-@dataclass
-class _Round:
-    """An open round: the pre-round snapshot (taken at the first call) and the record."""
-
-    started: bool = False
-    window: bool = False
-    slots: List[Optional[mx.array]] = field(default_factory=list)
-    offsets: List[int] = field(default_factory=list)
-    left_padding: Optional[List[int]] = None
-    chunks: List[_recur.Chunk] = field(default_factory=list)
-    n_keep: int = 0
-    use_kernel: bool = True
-
-    @property
-    def length(self) -> int:
-        return sum(c.length for c in self.chunks)
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """Recorded positions left to fold into the restored snapshot."""
-
-    chunks: List[_recur.Chunk]
-    keeps: List[int]
-    n_keep: int
-    use_kernel: bool
-
-
-class SSMCache:
+class SSMCache(Rounds):
     """Recurrent cache of one gated-DeltaNet layer, serial (B=1) or batched.
 
     Args:
@@ -93,8 +52,8 @@ class SSMCache:
         self._offsets: List[int] = [0] * (len(left_padding) if left_padding else 1)
         self._left_padding: Optional[List[int]] = list(left_padding) if left_padding else None
         self._lengths: Optional[List[int]] = None
-        self._round: Optional[_Round] = None
-        self._pending: Optional[_Pending] = None
+        self._round = None
+        self._pending = None
 
     # -- coverage --------------------------------------------------------------
 
@@ -163,7 +122,7 @@ class SSMCache:
 
     @lengths.setter
     def lengths(self, value) -> None:
-        self._lengths = _as_list(value)
+        self._lengths = as_list(value)
 
     @property
     def left_padding(self) -> Optional[mx.array]:
@@ -171,7 +130,7 @@ class SSMCache:
 
     @left_padding.setter
     def left_padding(self, value) -> None:
-        self._left_padding = _as_list(value)
+        self._left_padding = as_list(value)
 
     @property
     def state(self):
@@ -185,8 +144,8 @@ class SSMCache:
         slots, left_padding, lengths = v
         self._round = self._pending = None
         self._slots = list(slots)
-        self._left_padding = _as_list(left_padding)
-        self._lengths = _as_list(lengths)
+        self._left_padding = as_list(left_padding)
+        self._lengths = as_list(lengths)
         b = next((s.shape[0] for s in self._slots if s is not None), None)
         if b is not None and b != len(self._offsets):
             self._offsets = [0] * b
@@ -208,7 +167,7 @@ class SSMCache:
                 with the number of rows, or only one slot is given.
         """
         offsets = list(offsets)
-        if not offsets or not all(_is_int(o) and o >= 0 for o in offsets):
+        if not offsets or not all(is_int(o) and o >= 0 for o in offsets):
             raise InvalidInput(f"SSMCache.from_parts: malformed offsets {offsets!r}")
         if (conv is None) != (state is None):
             raise InvalidInput("SSMCache.from_parts: conv and recurrent state go together")
@@ -220,8 +179,8 @@ class SSMCache:
         cache = cls()
         cache._slots = [conv, state]
         cache._offsets = offsets
-        cache._left_padding = _as_list(left_padding)
-        cache._lengths = _as_list(lengths)
+        cache._left_padding = as_list(left_padding)
+        cache._lengths = as_list(lengths)
         return cache
 
     @classmethod
@@ -250,7 +209,7 @@ class SSMCache:
 
     def prepare(self, lengths=None, **kwargs) -> None:
         """Set per-row real lengths of the coming right-padded prefill."""
-        self._lengths = _as_list(lengths)
+        self._lengths = as_list(lengths)
 
     def finalize(self) -> None:
         self._lengths = None
@@ -285,7 +244,7 @@ class SSMCache:
         """Keep only the rows ``batch_indices``, in place."""
         self._check_no_round("filter")
         self._fold()
-        rows = _as_list(batch_indices)
+        rows = as_list(batch_indices)
         idx = mx.array(rows, dtype=mx.int32)
         self._slots = [None if s is None else mx.take(s, idx, axis=0) for s in self._slots]
         self._offsets = [self._offsets[i] for i in rows]
@@ -411,113 +370,6 @@ class SSMCache:
         return y
 
     # -- speculative rounds ------------------------------------------------------
-
-    @property
-    def in_round(self) -> bool:
-        """True between ``begin_round()`` and ``commit()``/``rollback()``."""
-        return self._round is not None
-
-    @property
-    def has_pending(self) -> bool:
-        """True while accepted positions of a rolled-back round wait to be folded."""
-        return self._pending is not None
-
-    def begin_round(self) -> None:
-        """Open a verify round: the next window call is recorded.
-
-        Raises:
-            RoundError: a round is already open.
-        """
-        if self._round is not None:
-            raise RoundError("begin_round: a round is already open; commit() or rollback() it first")
-        self._round = _Round()
-
-    def commit(self) -> None:
-        """Accept every position of the open round.
-
-        Raises:
-            RoundError: no round is open.
-        """
-        if self._round is None:
-            raise RoundError("commit without begin_round")
-        self._round = None
-
-    def rollback(self, keep: Keep) -> None:
-        """Restore the pre-round slots and leave the first ``keep`` positions pending.
-
-        Args:
-            keep: accepted positions, one int for every row or one per row, each
-                in ``[0, S]`` where S is the number of recorded positions.
-
-        Raises:
-            RoundError: no round is open.
-            InvalidInput: a keep is not an int, outside ``[0, S]``, or the list
-                length differs from the batch size. The round stays open.
-        """
-        rnd = self._round
-        if rnd is None:
-            raise RoundError("rollback without begin_round")
-        keeps = self._keeps(keep, rnd.length)
-        self._round = None
-        if not rnd.started or all(k == rnd.length for k in keeps):
-            return  # nothing recorded, or everything accepted: the live slots stand
-        self._slots = rnd.slots
-        self._offsets = [o + k for o, k in zip(rnd.offsets, keeps)]
-        if rnd.left_padding is not None:
-            self._left_padding = [p - k for p, k in zip(rnd.left_padding, keeps)]
-        if any(keeps):
-            self._pending = _Pending(rnd.chunks, keeps, rnd.n_keep, rnd.use_kernel)
-
-    def check_persistable(self) -> None:
-        """Raise RoundError when a round is open (its outcome is not decided)."""
-        if self._round is not None:
-            raise RoundError(
-                "cannot persist an SSMCache while a speculative round is open: "
-                "commit() or rollback() it first"
-            )
-
-    def _keeps(self, keep: Keep, S: int) -> List[int]:
-        B = self.batch_size
-        if isinstance(keep, mx.array):
-            keep = keep.tolist()
-        keeps = [keep] * B if _is_int(keep) else keep
-        if not isinstance(keeps, (list, tuple)) or len(keeps) != B:
-            raise InvalidInput(f"rollback: keep must be an int or a list of {B} ints, got {keep!r}")
-        for k in keeps:
-            if not _is_int(k) or not 0 <= k <= S:
-                raise InvalidInput(
-                    f"rollback: keep {k!r} is outside [0, {S}] (the round recorded {S} positions)"
-                )
-        return [int(k) for k in keeps]
-
-    def _open_call(self, rnd: _Round, layer: Any, window: bool) -> None:
-        if rnd.window or (window and rnd.chunks):
-            raise RoundError(
-                "a second recurrence call in a round that holds a verify window: "
-                "commit() or rollback() before the next forward"
-            )
-        if self._lengths is not None or any(p > 0 for p in (self._left_padding or [])):
-            raise RoundError("rounds take no prefill padding: finalize() the prefill before begin_round()")
-        if not rnd.started:
-            rnd.started = True
-            rnd.slots = list(self._slots)
-            rnd.offsets = list(self._offsets)
-            rnd.left_padding = None if self._left_padding is None else list(self._left_padding)
-            rnd.n_keep = layer.conv_kernel_size - 1
-        rnd.window = window
-
-    def _check_no_round(self, what: str) -> None:
-        if self._round is not None:
-            raise RoundError(f"{what}: a speculative round is open; commit() or rollback() it first")
-
-    def _fold(self) -> None:
-        p = self._pending
-        if p is None:
-            return
-        self._pending = None
-        conv, state = _recur.fold(self._slots[0], self._slots[1], p.chunks, p.keeps, p.n_keep, p.use_kernel)
-        self._slots = [conv, state]
-
     def __repr__(self) -> str:
         return f"SSMCache(rows={self.batch_size}, offsets={self._offsets}, in_round={self.in_round})"
 
@@ -537,18 +389,6 @@ def make_prompt_cache(model: Any, max_kv_size: Optional[int] = None) -> List[Any
         SSMCache() if type(c) is ArraysCache and is_gated_delta_layer(layer) else c
         for c, layer in zip(cache, layers)
     ]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _as_list(value) -> Optional[List[int]]:
-    if value is None:
-        return None
-    if isinstance(value, mx.array):
-        return value.tolist()
-    return [int(x) for x in value]
 
 
 def _cat_rows(xs: List[Optional[mx.array]], sizes: List[int]) -> Optional[mx.array]:
