@@ -167,11 +167,11 @@ def speculative_generate_step(
 
         # Draft: the first step consumes confirmed tokens; the rest are recorded.
         drafts = []
-        d, _ = sample(draft_model(draft_y[None], cache=draft_cache)[0, -1])
+        d, _ = sample(draft_model(draft_y[None], cache=draft_cache)[:, -1])
         drafts.append(d.reshape(1))
         _begin(draft_cache)
         for _ in range(num_draft - 1):
-            d, _ = sample(draft_model(drafts[-1][None], cache=draft_cache)[0, -1])
+            d, _ = sample(draft_model(drafts[-1][None], cache=draft_cache)[:, -1])
             drafts.append(d.reshape(1))
         drafts = mx.concatenate(drafts)
 

@@ -255,6 +255,8 @@ class SSMCache(Rounds):
 
     def extend(self, other: "SSMCache") -> None:
         """Append ``other``'s rows, in place."""
+        if not isinstance(other, SSMCache):
+            raise InvalidInput(f"SSMCache.extend: cannot append a {type(other).__name__}")
         self._check_no_round("extend")
         other._check_no_round("extend")
         self._fold()
