@@ -73,6 +73,33 @@ class Command(click.Command):
             fail("UsageError", err.format_message(), True, code=2)
 
 
+class Group(click.Group):
+    """The command group, whose own usage errors (a bad ``--store``, an
+    unknown command) are JSON too when ``--json`` is among the arguments.
+
+    Use as ``@click.group(cls=Group)``.
+    """
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        wants_json = "--json" in args
+        try:
+            ctx = super().make_context(info_name, list(args), parent=parent, **extra)
+        except click.UsageError as err:
+            if not wants_json:
+                raise
+            fail("UsageError", err.format_message(), True, code=2)
+        ctx.meta["promptstore.json"] = wants_json
+        return ctx
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as err:
+            if not ctx.meta.get("promptstore.json"):
+                raise
+            fail("UsageError", err.format_message(), True, code=2)
+
+
 def command(name: Optional[str] = None, **kwargs) -> Callable:
     """``@click.command`` with :class:`Command` (JSON usage errors)."""
     return click.command(name, cls=Command, **kwargs)

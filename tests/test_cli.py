@@ -317,3 +317,21 @@ def test_expected_errors_are_one_line_and_usage_errors_exit_2(cli, tmp_path):
     assert "Usage:" in cli("ls", "--sort", "bogus", code=2).stderr
     assert js(cli("put", "--model", LLAMA, "--prompt", "x", "--meta", "novalue", "--json", code=2))["error"] == "UsageError"
     assert "error" in js(cli("get", "--json", "--prompt", "x", code=2))  # missing --model
+
+
+def test_group_usage_errors_are_json_with_json(tmp_path):
+    """cli/_common.Group, for ``@click.group(cls=Group)`` on the main group."""
+    from promptstore.cli._common import Group
+
+    group = Group(name="promptstore", params=main.params, callback=main.callback, commands=main.commands)
+    runner = CliRunner()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    res = runner.invoke(group, ["--store", str(afile), "ls", "--json"])
+    assert res.exit_code == 2 and json.loads(res.stdout)["error"] == "UsageError" and "afile" in json.loads(res.stdout)["message"]
+    res = runner.invoke(group, ["--store", str(tmp_path / "s"), "bogus", "--json"])
+    assert res.exit_code == 2 and "bogus" in json.loads(res.stdout)["message"]
+    res = runner.invoke(group, ["--store", str(tmp_path / "s"), "bogus"])
+    assert res.exit_code == 2 and "No such command" in res.stderr and res.stdout == ""
+    res = runner.invoke(group, ["--store", str(tmp_path / "s"), "ls", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout) == []

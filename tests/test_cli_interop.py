@@ -78,6 +78,7 @@ def test_get_o_file_continues_in_mlx_lm_generate_exactly_as_the_uncached_prompt(
     out = tmp_path / "cache.safetensors"
     got = json.loads(run([exe, "get", "--model", model_dir, "--prompt", head, "-o", str(out), "--json"], store).stdout)
     assert got["output"] == str(out) and got["tokens"] == len(encode_prompt(tok, head))
+    assert 0 < got["matched"] < got["tokens"]  # restored from the store, the rest prefilled
     assert read_mlx_cache_file(out).coverage == got["tokens"]
     cached = _generate(["--model", model_dir, "--prompt-cache-file", str(out), "--prompt", tail])
     uncached = _generate(["--model", model_dir, "--prompt", head + tail])
