@@ -65,13 +65,12 @@ def _own(x: Optional[mx.array]) -> Optional[mx.array]:
 def _check_settled(layer: Any, where: str) -> None:
     """Refuse a batch caught between ``prepare()`` and ``finalize()``: its
     offsets still count right padding."""
-    pending = (
-        getattr(layer, "_right_padding", None) is not None
-        if type(layer) is BatchKVCache
-        else getattr(layer, "_lengths", None) is not None
-        if type(layer) is BatchRotatingKVCache
-        else getattr(layer, "lengths", None) is not None
-    )
+    if type(layer) is BatchKVCache:
+        pending = layer._right_padding is not None
+    elif type(layer) is BatchRotatingKVCache:
+        pending = layer._lengths is not None
+    else:
+        pending = getattr(layer, "lengths", None) is not None
     if pending:
         raise InvalidInput(
             f"{where}: the batch is between prepare() and finalize() (a right-padded window is "
@@ -359,14 +358,16 @@ def put_row(store: Any, model: str, tokens: Sequence[int], batch_cache: Sequence
         The stored entry's EntryInfo; ``nbytes`` counts only this row.
 
     Raises:
-        InvalidInput: row out of range, an unsupported layer, or a batch
-            between ``prepare()`` and ``finalize()``.
+        InvalidInput: row out of range, bad tokens, an unsupported layer, or
+            a batch between ``prepare()`` and ``finalize()``.
         CoverageMismatch: a layer's coverage of this row is not
             ``len(tokens)``, or no layer can tell the row's coverage.
         and everything ``PromptStore.put`` raises.
     """
+    from promptstore._keys import as_tokens
+
     layers = _layers(batch_cache)
-    n = len(tokens) if hasattr(tokens, "__len__") else None
+    n = len(as_tokens(tokens))
     covs = row_coverage(layers, row)
     known = [(li, c) for li, c in enumerate(covs) if c is not None]
     if not known:
@@ -380,11 +381,7 @@ def put_row(store: Any, model: str, tokens: Sequence[int], batch_cache: Sequence
                 f"row {row}: layer {li} ({_name(layers[li])}) covers {c} tokens but {n} tokens were given; "
                 "pass exactly the tokens this row has absorbed (prompt plus generated tokens fed back)"
             )
-    serial = extract_row(layers, row)
-    try:
-        return store.put(model, tokens, serial, meta)
-    finally:
-        del serial
+    return store.put(model, tokens, extract_row(layers, row), meta)
 
 
 def row_nbytes(serial_cache: Sequence[Any]) -> int:
@@ -441,6 +438,12 @@ def _row_layers(rows: Sequence[Sequence[Any]], n_layers: Optional[int]) -> List[
         if n_layers is not None and len(layers) != n_layers:
             raise InvalidInput(f"row {r} has {len(layers)} layers, expected {n_layers}")
         n_layers = len(layers)
+        for li, layer in enumerate(layers):
+            if type(layer) in _SERIAL_FOR and _SERIAL_FOR[type(layer)] is not type(layer):
+                raise InvalidInput(
+                    f"row {r} layer {li} is a {_name(layer)}: pass serial caches "
+                    "(from store.get or extract_row)"
+                )
         if row_count(layers) != 1:
             raise InvalidInput(f"row {r} is not a serial (single-row) cache")
         covs = {c for c in row_coverage(layers, 0) if c is not None}

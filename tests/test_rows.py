@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from conftest import MODEL_NAMES, MODELS, load_fixture, sample_tokens
-from promptstore import CoverageMismatch, InvalidInput, PromptStore
+from promptstore import PromptStore
 from promptstore.rows import extract_row, merge_rows, row_count, row_coverage, row_nbytes
 
 LENGTHS = (5, 12, 20, 9)  # gemma3's sliding window is 16: the 20-token row rotates
@@ -186,6 +186,10 @@ def _own_row_bytes(batch_cache, row: int) -> int:
             off = int(layer.offset[row].item())
             for x in (layer.keys, layer.values):
                 total += x.shape[1] * off * x.shape[3] * x.itemsize
+        elif type(layer) is BatchRotatingKVCache:  # decode state: the row's last max_size tokens
+            off = min(int(layer.offset[row].item()), layer.max_size)
+            for x in (layer.keys, layer.values):
+                total += x.shape[1] * off * x.shape[3] * x.itemsize
         elif type(layer) is ArraysCache:
             total += sum(s.nbytes // s.shape[0] for s in layer.cache if s is not None)
         else:
@@ -193,7 +197,7 @@ def _own_row_bytes(batch_cache, row: int) -> int:
     return total
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
 def test_row_of_batch_of_8_writes_only_its_own_bytes(name, store):
     model, _, fp, _ = load_fixture(name)
     prompts = [sample_tokens(n, seed=20 + i) for i, n in enumerate((6, 30, 11, 17, 40, 8, 23, 14))]

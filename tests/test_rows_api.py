@@ -69,6 +69,8 @@ def test_coverage_mismatch_writes_nothing(name, store):
     for wrong in (tokens[:-1], tokens + [7], list(batch.tokens[1])):
         with pytest.raises(CoverageMismatch, match=rf"row 2: layer \d+ \(\w+\) covers {len(tokens)} tokens but {len(wrong)}"):
             store.put_row(fp, wrong, batch.prompt_cache, 2)
+    with pytest.raises(InvalidInput, match="tokens"):
+        store.put_row(fp, [], batch.prompt_cache, 2)
     assert list(store.entries()) == []
     info = store.put_row(fp, tokens, batch.prompt_cache, 2)
     assert info.n_tokens == len(tokens)
@@ -262,8 +264,10 @@ def test_merge_rows_refuses_mismatched_rows():
     assert type(merge_rows(None, [[rot]])[0]) is BatchRotatingKVCache
     with pytest.raises(InvalidInput, match="has 2 layers, expected 1"):
         merge_rows(batch, [[_kv(3, 1), _kv(3, 2)]])
+    with pytest.raises(InvalidInput, match="is a BatchKVCache: pass serial caches"):
+        merge_rows(None, [merge_rows(None, [[_kv(3, 1)]])])
     with pytest.raises(InvalidInput, match="not a serial"):
-        merge_rows(None, [batch])
+        merge_rows(None, [[ArraysCache(2, left_padding=[0, 0])]])
     with pytest.raises(InvalidInput, match="heads, head dims or dtype"):
         merge_rows(batch, [[_kv(3, 7, heads=4)]])
     with pytest.raises(InvalidInput, match="non-empty list"):
