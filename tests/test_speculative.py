@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step, speculative_generate_step as mlx_speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
 
 from promptstore.errors import InvalidInput
 from promptstore.speculative import SpeculativeStats, speculative_generate, speculative_generate_step
@@ -89,6 +90,17 @@ def test_caches_cover_prompt_and_tokens_but_the_last():
     plain(mx.array([PROMPT + tokens[:-1]]), cache=ref)
     last = mx.array([[tokens[-1]]])
     assert mx.array_equal(target(last, cache=cache), plain(last, cache=ref)).item()
+
+
+def test_a_sampling_sampler_runs_and_keeps_caches_consistent():
+    _, target, draft = models("qwen3_next")
+    mx.random.seed(11)
+    cache = make_prompt_cache(target)
+    result = speculative_generate(
+        target, draft, PROMPT, max_tokens=16, num_draft_tokens=3, sampler=make_sampler(temp=0.8), prompt_cache=cache
+    )
+    assert len(result.tokens) == 16 and result.rounds == len(result.per_round)
+    assert [c.offset for c in cache] == [len(PROMPT) + 15] * 4
 
 
 def test_mlx_lm_refuses_and_bad_caches_are_refused():

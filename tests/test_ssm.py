@@ -150,11 +150,11 @@ def test_rollback_folds_to_fresh_forward_serial(arch):
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)
-def test_rollback_folds_per_row_keeps_in_a_batch_of_3(arch):
+@pytest.mark.parametrize("keeps", [[2, 0, 5], [4, 1, 3]])
+def test_rollback_folds_per_row_keeps_in_a_batch_of_3(arch, keeps):
     model, _ = fixture(arch, True)
     prompts = [PROMPT[:4], PROMPT[4:8], [8, 9, 10, 11]]
     windows = [WINDOW, [41, 42, 43, 44, 45], [51, 52, 53, 54, 55]]
-    keeps = [2, 0, 5]
     batch = _merge_caches([prefilled(model, p) for p in prompts])
     for c in batch:
         if isinstance(c, SSMCache):
@@ -238,6 +238,23 @@ def test_round_errors():
     for cc in ssm(cache):
         cc.rollback(5)
     assert not c.in_round and c.offset == len(PROMPT) + 5
+
+
+def test_bad_arguments_are_invalid_input():
+    model, _ = fixture("qwen3_5", True)
+    block = model.layers[0].linear_attn
+    qkv = mx.zeros((1, 2, block.conv_dim))
+    ab = mx.zeros((1, 2, block.num_v_heads))
+    with pytest.raises(InvalidInput):
+        SSMCache().recur_decode(block, qkv, ab, ab)  # two positions
+    with pytest.raises(InvalidInput):
+        SSMCache.from_parts(mx.zeros((2, 3, 8)), mx.zeros((2, 1, 4, 4)), [1])  # rows disagree
+    with pytest.raises(InvalidInput):
+        SSMCache.from_parts(mx.zeros((1, 3, 8)), None, [1])  # one slot alone
+    with pytest.raises(InvalidInput):
+        SSMCache.from_parts(None, None, [-1])
+    with pytest.raises(InvalidInput):
+        SSMCache().extend(ArraysCache(2))
 
 
 def test_round_needs_the_adapter():
