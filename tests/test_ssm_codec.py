@@ -162,7 +162,8 @@ def test_encoding_writes_the_folded_state(arch):
     assert cache[0].has_pending
     enc = encode_layer(cache[0])
     fresh = make_prompt_cache(model)
-    _forward(model, fresh, PROMPT + WINDOW[:2])
+    _forward(model, fresh, PROMPT)
+    _forward(model, fresh, WINDOW[:2])
     assert _same(enc.arrays["conv"], fresh[0][0]) and _same(enc.arrays["state"], fresh[0][1])
     assert enc.meta["offsets"] == [len(PROMPT) + 2]
 
@@ -196,7 +197,8 @@ def test_persisted_pending_cache_continues_like_the_uninterrupted_run(arch, tmp_
     assert restored[0].offset == len(tokens) and not restored[0].has_pending
 
     plain = make_prompt_cache(model)  # the run that never speculated
-    _forward(model, plain, tokens)
+    _forward(model, plain, PROMPT)
+    _forward(model, plain, WINDOW[:keep])
     runs = {"restored": restored, "saved": saved, "plain": plain}
     next_token = mx.array([[77]])
     outs = {name: model(next_token, cache=cache) for name, cache in runs.items()}
