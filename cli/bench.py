@@ -1,0 +1,132 @@
+"""``promptstore bench``: throughput, lookup, memory and TTFT beside references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import click
+
+from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
+
+
+@command()
+@click.option("--quick", is_flag=True, help="Tiny sizes and few repeats (seconds; for CI). No time is asserted.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write the results as Markdown to this file.")
+@click.option("--dir", "scratch", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Directory for the scratch stores and files (on the disk to measure) [default: system temp].")
+@json_option
+@guarded
+def bench(quick, out_file, scratch, as_json):
+    """Measure promptstore against mlx-lm, plain files and memcpy.
+
+    Builds a Qwen3-Next-80B-shaped prompt cache (36 gated-DeltaNet layers,
+    12 attention layers) at 4K and 32K tokens and measures durable put and
+    get beside mlx-lm save/load_prompt_cache, file write+fsync/read and
+    memcpy of the same bytes; lookup latency against store size; the peak
+    memory of a get; time to first token on the fixture hybrid, cold and
+    restored; and the bytes written saving one row of a batch of 8. Prints
+    each ratio against its target (PASS/MISS). Uses scratch stores only,
+    never the --store directory. A full run takes a few minutes and several
+    GB of scratch disk.
+    """
+    from promptstore.bench import run
+
+    def progress(line: str) -> None:
+        click.echo(f"bench: {line}", err=True)
+
+    results = run(quick=quick, workdir=Path(scratch) if scratch else None, progress=progress)
+    text = render(results)
+    if out_file:
+        Path(out_file).write_text(text)
+    if as_json:
+        emit_json(results)
+    else:
+        click.echo(text)
+
+
+def _size(n: float) -> str:
+    return format_size(int(n))
+
+
+def render(res: Dict[str, Any]) -> str:
+    """The results as Markdown: targets first, then every measured figure."""
+    from promptstore.bench import gbps
+
+    lines: List[str] = []
+    add = lines.append
+    mode = "quick" if res["quick"] else "full"
+    m = res["machine"]
+    add(f"# promptstore bench ({mode} run)")
+    add("")
+    add(f"{m['platform']}, {m['processor']}, mlx {m['mlx']} on {m['device']}; {res['seconds']:.0f} s. "
+        "Times are medians; reads are from a warm page cache.")
+    add("")
+    add("## Targets")
+    add("")
+    add("| target | measured | goal | result |")
+    add("| --- | ---: | ---: | --- |")
+    for t in res["targets"]:
+        add(f"| {t['name']} | {t['value']:.2f} | {t['op']} {t['target']:g} | {'PASS' if t['ok'] else 'MISS'} |")
+    add("")
+    add("## Throughput (GB/s; ratio = promptstore / reference)")
+    add("")
+    add("| cache | bytes | ps put | ps get fresh | ps get reuse | mlx-lm save+fsync | mlx-lm load fresh | mlx-lm load reuse | file write+fsync | file read | memcpy fresh | memcpy reuse |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for t in res["throughput"]:
+        b = t["bytes"]
+        cols = [t[k] for k in ("put", "get_fresh", "get_reuse", "mlx_save", "mlx_load_fresh", "mlx_load_reuse", "file_write", "file_read", "memcpy_fresh", "memcpy_reuse")]
+        add(f"| {t['tokens']} tokens | {_size(b)} | " + " | ".join(f"{gbps(b, s):.2f}" for s in cols) + " |")
+    add("")
+    add("| cache | put / file write | put / mlx-lm save | get / mlx-lm load (fresh) | get / mlx-lm load (reuse) | get / file read | get / memcpy (fresh) | get / memcpy (reuse) | bytes written per put / N | bit-exact |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for t in res["throughput"]:
+        add(
+            f"| {t['tokens']} tokens | {t['file_write'] / t['put']:.2f} | {t['mlx_save'] / t['put']:.2f} | "
+            f"{t['mlx_load_fresh'] / t['get_fresh']:.2f} | {t['mlx_load_reuse'] / t['get_reuse']:.2f} | "
+            f"{t['file_read'] / t['get_fresh']:.2f} | {t['memcpy_fresh'] / t['get_fresh']:.2f} | "
+            f"{t['memcpy_reuse'] / t['get_reuse']:.2f} | {t['put_written_per_put'] / t['bytes']:.2f} | {t['bit_exact']} |"
+        )
+    add("")
+    add("*fresh*: the mlx buffer cache is emptied (`mx.clear_cache()`) before each get/load, and memcpy "
+        "goes into a newly allocated buffer, so page faults on the destination are paid. *reuse*: the "
+        "buffers of the previous repeat are reused (mlx buffer cache; the same numpy buffer). "
+        "mlx-lm's save is followed by an fsync of the file so that both sides are durable. "
+        "Bytes written per put include the untimed delete before it (/proc/self/io).")
+    add("")
+    add("## Peak memory of a get (fresh process)")
+    add("")
+    add("| entry | N | RSS peak delta / N | private (RssAnon) peak / N | mlx allocator peak / N | get s |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for mm in res["memory"]:
+        n = mm["bytes"]
+        add(f"| {mm['tokens']} tokens | {_size(n)} | {mm['rss_delta'] / n:.2f} | {mm['anon_delta'] / n:.2f} | {mm['mlx_peak'] / n:.2f} | {mm['get_s']:.3f} |")
+    add("")
+    add("## Lookup latency (ms, median)")
+    add("")
+    add("| entries | store file | 1K-token query | 32K-token query |")
+    add("| ---: | ---: | ---: | ---: |")
+    for r in res["lookup"]:
+        add(f"| {r['entries']} | {_size(r['file_bytes'])} | {r['q1024'] * 1e3:.2f} | {r['q32768'] * 1e3:.2f} |")
+    add("")
+    rs = res["row_save"]
+    add(f"## Saving row {rs['row']} of a batch of {rs['rows']}")
+    add("")
+    add("| row tokens | row bytes | batch bytes | entry payload | bytes written | written / row | extract s | put s |")
+    add("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    add(f"| {rs['row_tokens']} | {_size(rs['row_bytes'])} | {_size(rs['batch_bytes'])} | {_size(rs['entry_bytes'])} | "
+        f"{_size(rs['written'])} | {rs['written'] / rs['row_bytes']:.3f} | {rs['extract_s']:.3f} | {rs['put_s']:.3f} |")
+    add("")
+    add(f"Saved with {rs['method']}; recurrent layers are {rs['ssm_class']}. Bytes written: /proc/self/io "
+        "write_bytes of the put (payload, manifest, index and LMDB pages).")
+    add("")
+    add("## Time to first token on fixtures/models/qwen3_next (ms)")
+    add("")
+    add("| prompt tokens | cold prefill | restored + 1 step | speedup | entry | same first token |")
+    add("| ---: | ---: | ---: | ---: | ---: | --- |")
+    for p in res["prefill"]:
+        add(f"| {p['tokens']} | {p['cold_s'] * 1e3:.1f} | {p['restored_s'] * 1e3:.1f} | {p['cold_s'] / p['restored_s']:.1f}x | "
+            f"{_size(p['entry_bytes'])} | {p['same_first_token']} |")
+    add("")
+    return "\n".join(lines)

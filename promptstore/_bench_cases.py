@@ -1,0 +1,318 @@
+"""The measurements of ``promptstore bench``, one function per case.
+
+Every case returns plain dicts of raw figures (seconds, bytes); ratios and
+targets are computed in ``promptstore.bench``. Times are medians over
+``repeats`` runs of the same operation on the same data.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from promptstore import _bench_data as data
+from promptstore import _entry
+from promptstore.store import PromptStore
+
+MODEL = "bench-qwen3-next-80b-shaped@0"
+
+
+def median_time(fn: Callable[[], Any], repeats: int, before: Optional[Callable[[], Any]] = None) -> float:
+    """Median wall time of ``fn()``; ``before()`` runs untimed ahead of each call."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_bytes() -> int:
+    """Bytes this process caused to be sent to storage (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _payload_views(cache) -> List[memoryview]:
+    """The byte views promptstore would write for ``cache`` (same bytes, same order)."""
+    from promptstore.codecs import encode_layer
+
+    _, views, _ = _entry.prepare([encode_layer(layer) for layer in cache])
+    return views
+
+
+def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, seed: int = 0) -> Dict[str, Any]:
+    """put/get against mlx-lm save/load, a plain file write+fsync/read and memcpy.
+
+    Leaves the entry in ``workdir/store`` for the peak-memory case.
+    """
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    cache = data.hybrid_cache(shape, n_tokens, seed)
+    tokens = np.random.default_rng(seed).integers(3, 150_000, size=n_tokens, dtype=np.uint32)
+    views = _payload_views(cache)
+    nbytes = sum(v.nbytes for v in views)
+    out: Dict[str, Any] = {"tokens": n_tokens, "bytes": nbytes, "repeats": repeats}
+
+    # -- promptstore: durable put (sync commit), then get ------------------------
+    store = PromptStore(workdir / "store")
+    try:
+        store.put(MODEL, tokens[:1], data.tiny_kv(1))  # for the peak-memory child's warm-up
+        io0 = write_bytes()
+        store.put(MODEL, tokens, cache)  # first put: grows the file (untimed)
+        out["put_first_written"] = write_bytes() - io0
+        io0 = write_bytes()
+        out["put"] = median_time(lambda: store.put(MODEL, tokens, cache), repeats, lambda: store.delete(MODEL, tokens))
+        out["put_written_per_put"] = (write_bytes() - io0) // max(1, repeats)  # includes the deletes
+        res: List[Any] = []
+
+        def get() -> None:
+            res.append(store.get(MODEL, tokens))
+
+        def release(clear: bool) -> None:
+            res.clear()
+            gc.collect()
+            if clear:
+                mx.clear_cache()
+
+        get()  # warm the page cache and the mmap
+        out["get_fresh"] = median_time(get, repeats, lambda: release(True))
+        release(False)
+        get()
+        out["get_reuse"] = median_time(get, repeats, lambda: release(False))
+        restored = res[-1]
+        out["bit_exact"] = all(
+            mx.array_equal(a, b).item()
+            for x, y in zip(cache, restored)
+            for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True)
+        )
+        release(True)
+    finally:
+        store.close()
+    np.save(workdir / f"tokens-{n_tokens}.npy", tokens)
+
+    # -- mlx-lm save_prompt_cache (+ fsync, to be as durable) / load_prompt_cache --
+    st = workdir / "cache.safetensors"
+
+    def mlx_save() -> None:
+        save_prompt_cache(str(st), cache)
+        fd = os.open(st, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    out["mlx_save"] = median_time(mlx_save, repeats, lambda: st.unlink(missing_ok=True))
+    out["mlx_file_bytes"] = st.stat().st_size
+
+    def mlx_load() -> None:
+        loaded = load_prompt_cache(str(st))
+        mx.eval([a for layer in loaded for a in data._layer_arrays(layer)])
+        res.append(loaded)
+
+    mlx_load()
+    out["mlx_load_fresh"] = median_time(mlx_load, repeats, lambda: release(True))
+    release(False)
+    mlx_load()
+    out["mlx_load_reuse"] = median_time(mlx_load, repeats, lambda: release(False))
+    release(True)
+    st.unlink(missing_ok=True)
+
+    # -- a plain file of the same bytes: write+fsync, read into a fresh buffer ----
+    raw = workdir / "payload.bin"
+
+    def file_write() -> None:
+        with open(raw, "wb", buffering=0) as f:
+            for v in views:
+                f.write(v)
+            os.fsync(f.fileno())
+
+    out["file_write"] = median_time(file_write, repeats, lambda: raw.unlink(missing_ok=True))
+
+    def file_read() -> None:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        with open(raw, "rb", buffering=0) as f:
+            f.readinto(memoryview(buf))
+
+    file_read()
+    out["file_read"] = median_time(file_read, repeats)
+    raw.unlink(missing_ok=True)
+
+    # -- memcpy of the same bytes -------------------------------------------------
+    src = np.empty(nbytes, dtype=np.uint8)
+    pos = 0
+    for v in views:
+        src[pos : pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+        pos += v.nbytes
+    out["memcpy_fresh"] = median_time(lambda: np.copyto(np.empty_like(src), src), repeats)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    out["memcpy_reuse"] = median_time(lambda: np.copyto(dst, src), repeats)
+    del src, dst, views, cache
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+def peak_memory(workdir: Path, n_tokens: int) -> Dict[str, Any]:
+    """Peak memory a get adds, measured in a fresh subprocess (see _bench_mem)."""
+    cmd = [sys.executable, "-m", "promptstore._bench_mem", str(workdir / "store"), MODEL, str(workdir / f"tokens-{n_tokens}.npy")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"peak-memory child failed: {proc.stderr.strip()[-2000:]}")
+    doc = json.loads(proc.stdout)
+    doc["tokens"] = n_tokens
+    return doc
+
+
+def lookup(workdir: Path, sizes: Sequence[int], repeats: int, seed: int = 0) -> List[Dict[str, Any]]:
+    """Lookup latency of 1K- and 32K-token queries as the store grows."""
+    corpus = data.LookupCorpus(seed)
+    path = workdir / "lookup-store"
+    results = []
+    have = 0
+    for size in sizes:
+        with data.unsynced_lmdb(), PromptStore(path) as store:
+            if have == 0:
+                for toks in corpus.targets.values():
+                    store.put(MODEL, toks, data.tiny_kv(len(toks)))
+                have = len(corpus.targets)
+            for toks in corpus.entries(size - have):
+                store.put(MODEL, toks, data.tiny_kv(len(toks)))
+            have = size
+            store.env.env.sync(True)
+        with PromptStore(path) as store:
+            row: Dict[str, Any] = {"entries": size, "file_bytes": store.file_size()}
+            for q, query in corpus.queries.items():
+                hit = store.lookup(MODEL, query)
+                expect = len(corpus.targets[q])
+                if hit is None or hit.matched != expect:
+                    raise RuntimeError(f"lookup of the {q}-token query matched {getattr(hit, 'matched', None)}, expected {expect}")
+                row[f"q{q}"] = median_time(lambda: store.lookup(MODEL, query), repeats)
+            results.append(row)
+    return results
+
+
+def _row_api():
+    """``(extract_row, put_row)`` of promptstore.rows when present, else None."""
+    try:
+        from promptstore.rows import extract_row, put_row
+    except ImportError:
+        return None
+    return extract_row, put_row
+
+
+def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, seed: int = 0) -> Dict[str, Any]:
+    """Bytes written to storage when one row of a batch of ``rows`` is saved.
+
+    With ``promptstore.rows``: ``put_row`` (its compact extract + put).
+    Without: ``extract(i)`` of every layer (mlx-lm's BatchKVCache,
+    promptstore's SSMCache) and a put of the serial result.
+    """
+    cache, lengths = data.batch_cache(shape, rows, n_tokens, seed)
+    i = rows - 1
+    api = _row_api()
+
+    def extract() -> List[Any]:
+        if api is not None:
+            return api[0](cache, i)
+        row = [layer.extract(i) for layer in cache]
+        mx.eval([a for layer in row for a in data._layer_arrays(layer)])
+        return row
+
+    t0 = time.perf_counter()
+    row = extract()
+    t_extract = time.perf_counter() - t0
+    row_bytes = data.cache_nbytes(row)
+    ssm_class = type(row[0]).__name__
+    del row
+    tokens = np.random.default_rng(seed).integers(3, 150_000, size=lengths[i], dtype=np.uint32)
+    with PromptStore(workdir / "row-store") as store:
+        store.put(MODEL, tokens[:1], data.tiny_kv(1))  # the store file exists before the measured put
+        io0 = write_bytes()
+        t0 = time.perf_counter()
+        if api is not None:
+            info = api[1](store, MODEL, tokens, cache, i)
+        else:
+            info = store.put(MODEL, tokens, extract())
+        t_put = time.perf_counter() - t0
+        written = write_bytes() - io0
+    return {
+        "rows": rows,
+        "row": i,
+        "row_tokens": lengths[i],
+        "row_bytes": row_bytes,
+        "batch_bytes": data.cache_nbytes(cache),
+        "entry_bytes": info.nbytes,
+        "written": written,
+        "extract_s": t_extract,
+        "put_s": t_put,
+        "ssm_class": ssm_class,
+        "method": "promptstore.rows.put_row" if api is not None else "extract + PromptStore.put",
+    }
+
+
+def restore_vs_prefill(workdir: Path, model_dir: Path, lengths: Sequence[int], repeats: int, seed: int = 0) -> List[Dict[str, Any]]:
+    """Time to first token on the fixture hybrid: cold prefill of the whole
+    prompt vs ``lookup`` of the stored prompt-minus-one and one forward step."""
+    from promptstore import fingerprint
+    from promptstore.prefill import load_model, make_cache, prefill
+
+    model, _ = load_model(str(model_dir))
+    fp = fingerprint(model_dir)
+    rng = np.random.default_rng(seed)
+    out = []
+    with PromptStore(workdir / "prefill-store") as store:
+        for n in lengths:
+            tokens = rng.integers(3, 500, size=n).tolist()
+
+            def first_token(cache, rest) -> int:
+                logits = model(mx.array(rest)[None], cache=cache)
+                y = mx.argmax(logits[:, -1, :], axis=-1)
+                mx.eval(y)
+                return int(y.item())
+
+            def cold() -> int:
+                cache = prefill(model, tokens[:-1])
+                return first_token(cache, tokens[-1:])
+
+            store.put(fp, tokens[:-1], prefill(model, tokens[:-1]))
+
+            def restored() -> int:
+                hit = store.lookup(fp, tokens)
+                return first_token(hit.cache, tokens[hit.matched :])
+
+            same = cold() == restored()
+            t_cold = median_time(cold, repeats)
+            t_restored = median_time(restored, repeats)
+            hit = store.lookup(fp, tokens)
+            out.append(
+                {
+                    "tokens": n,
+                    "cold_s": t_cold,
+                    "restored_s": t_restored,
+                    "entry_bytes": hit.info.nbytes,
+                    "matched": hit.matched,
+                    "same_first_token": same,
+                }
+            )
+    del model
+    gc.collect()
+    mx.clear_cache()
+    return out

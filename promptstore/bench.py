@@ -1,0 +1,149 @@
+"""``promptstore bench``: promptstore measured beside what a user would otherwise do.
+
+One run measures, on the same data:
+
+* throughput of a durable ``put`` (LMDB sync commit) and of ``get``, beside
+  mlx-lm's ``save_prompt_cache`` (+ fsync) / ``load_prompt_cache``, a plain
+  file write+fsync / read of the same bytes, and memcpy of the same bytes,
+  for a Qwen3-Next-80B-shaped cache at 4K and 32K tokens;
+* longest-prefix lookup latency against store size;
+* peak memory a get adds (in a subprocess);
+* time to first token on the fixture hybrid, cold vs from a restored cache;
+* bytes written when one row of a batch of 8 is saved.
+
+The CLI (``cli/bench.py``) renders the Markdown tables. Ratios are computed against references measured in the same run and judged
+against the targets of DESIGN.md (PASS/MISS). Nothing here asserts on time.
+
+Usage::
+
+    from promptstore.bench import run
+    results = run(quick=True)      # the CLI renders it: promptstore bench --quick
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import mlx.core as mx
+
+from promptstore import _bench_cases as cases
+from promptstore import _bench_data as data
+
+__all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_HYBRID = ROOT / "fixtures" / "models" / "qwen3_next"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one bench run measures."""
+
+    shape: data.Shape
+    sizes: tuple  # tokens of the throughput caches
+    repeats: int
+    lookup_sizes: tuple
+    lookup_repeats: int
+    prefill_lengths: tuple
+    prefill_repeats: int
+    row_tokens: int
+
+
+FULL = Plan(data.QWEN3_NEXT_80B, (4096, 32768), 5, (100, 1000, 10000), 50, (256, 512, 1024, 2048), 3, 4096)
+QUICK = Plan(data.QUICK, (256, 1024), 2, (10, 50), 3, (64,), 1, 256)
+
+
+def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
+    """Run every case and return the raw figures plus the judged targets.
+
+    Args:
+        quick: tiny sizes and few repeats (seconds; for CI).
+        workdir: where the scratch stores and files go (a temporary
+            directory inside it, removed afterwards); None: the system temp.
+        progress: called with a short line before each case.
+
+    Returns:
+        A JSON-serialisable dict: ``plan``, ``machine``, one key per case,
+        and ``targets`` (see :func:`targets`).
+    """
+    plan = QUICK if quick else FULL
+    tmp = Path(tempfile.mkdtemp(prefix="promptstore-bench-", dir=workdir))
+    started = time.time()
+    out: Dict[str, Any] = {
+        "quick": quick,
+        "plan": {k: v for k, v in asdict(plan).items() if k != "shape"},
+        "shape": asdict(plan.shape),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+            "scratch": str(tmp),
+        },
+    }
+    try:
+        out["throughput"] = []
+        out["memory"] = []
+        for n in plan.sizes:
+            progress(f"throughput: {n}-token cache")
+            out["throughput"].append(cases.throughput(tmp / f"t{n}", plan.shape, n, plan.repeats))
+            progress(f"peak memory: get of the {n}-token entry")
+            out["memory"].append(cases.peak_memory(tmp / f"t{n}", n))
+            shutil.rmtree(tmp / f"t{n}", ignore_errors=True)
+        progress("lookup latency vs store size")
+        out["lookup"] = cases.lookup(tmp, plan.lookup_sizes, plan.lookup_repeats)
+        progress("row save from a batch of 8")
+        out["row_save"] = cases.row_save(tmp, plan.shape, plan.row_tokens)
+        progress("restore vs prefill on the fixture hybrid")
+        out["prefill"] = cases.restore_vs_prefill(tmp, FIXTURE_HYBRID, plan.prefill_lengths, plan.prefill_repeats)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["seconds"] = time.time() - started
+    out["targets"] = targets(out)
+    return out
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def targets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The DESIGN.md targets judged on a run's figures.
+
+    Each item: ``name``, ``value``, ``op`` (``>=`` or ``<=``), ``target``,
+    ``ok``, ``what`` (which figures were compared).
+    """
+    out: List[Dict[str, Any]] = []
+
+    def judge(name: str, value: float, op: str, target: float, what: str) -> None:
+        ok = value >= target if op == ">=" else value <= target
+        out.append({"name": name, "value": value, "op": op, "target": target, "ok": bool(ok), "what": what})
+
+    for t in res.get("throughput", []):
+        k = f"{t['tokens'] // 1024}K" if t["tokens"] >= 1024 else str(t["tokens"])
+        judge(f"get vs mlx-lm load_prompt_cache ({k})", t["mlx_load_fresh"] / t["get_fresh"], ">=", 1.0,
+              "fresh allocations both sides (mx.clear_cache() before each repeat); aim 1.5")
+        judge(f"get vs memcpy ({k})", t["memcpy_fresh"] / t["get_fresh"], ">=", 0.6,
+              "get with fresh allocations vs memcpy into a fresh buffer")
+        judge(f"durable put vs file write+fsync ({k})", t["file_write"] / t["put"], ">=", 0.9,
+              "LMDB sync commit vs write+fsync of the same bytes to a new file")
+    for m in res.get("memory", []):
+        k = f"{m['tokens'] // 1024}K" if m["tokens"] >= 1024 else str(m["tokens"])
+        judge(f"peak memory of a get / N ({k})", m["rss_delta"] / m["bytes"], "<=", 1.25,
+              "RSS high-water mark after the get minus RSS before, in a fresh process")
+    lk = res.get("lookup", [])
+    if lk:
+        last = lk[-1]
+        judge(f"lookup, 32K-token query, {last['entries']} entries (ms)", last["q32768"] * 1e3, "<=", 5.0,
+              "median PromptStore.lookup incl. restoring the (tiny) hit")
+    rs = res.get("row_save")
+    if rs:
+        judge("row save bytes written / row bytes", rs["written"] / rs["row_bytes"], "<=", 1.05,
+              "/proc/self/io write_bytes of the put vs the extracted row's array bytes")
+    return out

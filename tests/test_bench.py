@@ -1,0 +1,140 @@
+"""promptstore bench: the quick run end to end, target judging, synthetic data.
+
+No test asserts on a time: the bench reports, it never gates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import lmdb
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from promptstore import PromptStore
+from promptstore import _bench_data as data
+from promptstore.bench import targets
+from promptstore.cli import main
+from promptstore.cli.bench import render
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One ``promptstore bench --quick --json --out`` run, shared by the checks below."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench.md"
+    result = CliRunner().invoke(main, ["bench", "--quick", "--json", "--out", str(out), "--dir", str(tmp)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), out.read_text(), tmp
+
+
+def test_quick_run_measures_every_case(quick):
+    res, _, _ = quick
+    assert res["quick"] is True
+    assert [t["tokens"] for t in res["throughput"]] == [256, 1024]
+    for t in res["throughput"]:
+        assert t["bit_exact"] is True
+        assert t["bytes"] == data.QUICK.nbytes(t["tokens"])
+        for key in ("put", "get_fresh", "get_reuse", "mlx_save", "mlx_load_fresh", "file_write", "file_read", "memcpy_fresh", "memcpy_reuse"):
+            assert t[key] > 0, key
+        # a durable put writes at least the payload to storage
+        assert t["put_written_per_put"] >= t["bytes"]
+    for m in res["memory"]:
+        assert m["restored"] is True and m["bytes"] == data.QUICK.nbytes(m["tokens"])
+        assert m["mlx_peak"] >= m["bytes"]  # the restored arrays themselves live in mlx memory
+    assert [r["entries"] for r in res["lookup"]] == [10, 50]
+    assert all(r["q1024"] > 0 and r["q32768"] > 0 for r in res["lookup"])
+    rs = res["row_save"]
+    assert rs["rows"] == 8 and rs["entry_bytes"] == rs["row_bytes"] < rs["batch_bytes"]
+    assert rs["written"] >= rs["row_bytes"]
+    assert all(p["same_first_token"] and p["matched"] == p["tokens"] - 1 for p in res["prefill"])
+
+
+def test_quick_run_cleans_its_scratch_and_reports_every_target(quick):
+    res, md, tmp = quick
+    assert [p.name for p in tmp.iterdir()] == ["bench.md"]  # scratch stores removed
+    names = [t["name"] for t in res["targets"]]
+    assert len(names) == 3 * 2 + 2 + 1 + 1
+    assert md == render(res)
+    for t in res["targets"]:
+        assert f"| {t['name']} | {t['value']:.2f} |" in md
+        assert ("PASS" if t["ok"] else "MISS") in md
+
+
+def _fake(get_s=1.0, load_s=1.5, memcpy_s=0.6, put_s=1.0, file_s=0.9, rss=1.2e9, n=1e9, lookup_s=0.004, written=1.04e9):
+    return {
+        "throughput": [{"tokens": 32768, "bytes": int(n), "get_fresh": get_s, "mlx_load_fresh": load_s,
+                        "memcpy_fresh": memcpy_s, "put": put_s, "file_write": file_s}],
+        "memory": [{"tokens": 32768, "bytes": int(n), "rss_delta": int(rss)}],
+        "lookup": [{"entries": 10000, "q1024": 0.001, "q32768": lookup_s}],
+        "row_save": {"written": int(written), "row_bytes": int(1e9)},
+    }
+
+
+def test_targets_pass_at_their_bounds():
+    judged = {t["name"]: t for t in targets(_fake())}
+    assert all(t["ok"] for t in judged.values()), judged
+    assert judged["get vs mlx-lm load_prompt_cache (32K)"]["value"] == 1.5
+    assert judged["durable put vs file write+fsync (32K)"]["value"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"load_s": 0.9}, "get vs mlx-lm load_prompt_cache (32K)"),
+        ({"memcpy_s": 0.5, "get_s": 0.9}, "get vs memcpy (32K)"),
+        ({"file_s": 0.8}, "durable put vs file write+fsync (32K)"),
+        ({"rss": 1.3e9}, "peak memory of a get / N (32K)"),
+        ({"lookup_s": 0.0051}, "lookup, 32K-token query, 10000 entries (ms)"),
+        ({"written": 1.06e9}, "row save bytes written / row bytes"),
+    ],
+)
+def test_targets_miss_just_past_their_bounds(kw, name):
+    judged = {t["name"]: t for t in targets(_fake(**kw))}
+    assert judged[name]["ok"] is False
+    assert all(t["ok"] for n, t in judged.items() if n != name)
+
+
+def test_full_shape_is_qwen3_next_80b():
+    s = data.QWEN3_NEXT_80B
+    attn = [i for i in range(s.layers) if s.is_attention(i)]
+    assert s.layers == 48 and len(attn) == 12 and attn[:3] == [3, 7, 11]
+    # 36 x (conv 3*8192 bf16 + state 32*128*128 f32) + 12 x 2 x 2 heads x 256 dims bf16 per token
+    assert s.nbytes(4096) == 36 * (3 * 8192 * 2 + 32 * 128 * 128 * 4) + 12 * 2 * 2 * 4096 * 256 * 2
+
+
+def test_hybrid_cache_has_real_shapes_and_dtypes():
+    cache = data.hybrid_cache(data.QUICK, 256)
+    assert [type(c) for c in cache] == [ArraysCache, ArraysCache, ArraysCache, KVCache]
+    conv, state = cache[0][0], cache[0][1]
+    assert conv.shape == (1, 3, 8192) and conv.dtype == mx.bfloat16
+    assert state.shape == (1, 32, 128, 128) and state.dtype == mx.float32
+    kv = cache[3]
+    assert kv.keys.shape == (1, 2, 256, 256) and kv.keys.dtype == mx.bfloat16 and kv.offset == 256
+    assert data.cache_nbytes(cache) == data.QUICK.nbytes(256)
+    assert not mx.array_equal(kv.keys, kv.values).item()  # random, not zeros
+
+
+def test_lookup_corpus_queries_extend_their_targets():
+    corpus = data.LookupCorpus(seed=3)
+    for q, query in corpus.queries.items():
+        target = corpus.targets[q]
+        assert len(query) == q and len(target) < q
+        assert np.array_equal(query[: len(target)], target)
+    lengths = [len(t) for t in corpus.entries(200)]
+    assert min(lengths) >= 255 and max(lengths) <= 32768
+    assert len(set(lengths)) > 100
+
+
+def test_unsynced_lmdb_is_setup_only(tmp_path):
+    original = lmdb.open
+    with data.unsynced_lmdb(), PromptStore(tmp_path / "s") as store:
+        assert lmdb.open is not original
+        store.put("m@1", [1, 2, 3], data.tiny_kv(3))
+    assert lmdb.open is original
+    with PromptStore(tmp_path / "s") as store:  # what was put without fsync is a normal entry
+        hit = store.lookup("m@1", [1, 2, 3, 4])
+        assert hit is not None and hit.matched == 3 and hit.trimmed == 0
