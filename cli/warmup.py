@@ -23,7 +23,7 @@ class _Bar:
         if not self.enabled or total == 0:
             return
         if self.bar is None:
-            self.bar = click.progressbar(length=total, label="warmup", show_eta=True, show_pos=True, file=click.get_text_stream("stderr"))
+            self.bar = click.progressbar(length=total, label="warmup", show_eta=True, show_pos=True, file=sys.stderr)
             self.bar.__enter__()
         if self.tty:  # elsewhere click prints the label on every change
             self.bar.label = f"warmup {tokens / max(secs, 1e-9):.0f} tok/s"

@@ -25,6 +25,7 @@ from promptstore.errors import (
 )
 from promptstore.identity import fingerprint
 from promptstore.store import EntryInfo, Hit, PromptStore, VerifyReport, default_path
+from promptstore.warmup import LineError, WarmupSummary, warmup
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,9 @@ __all__ = [
     "VerifyReport",
     "default_path",
     "fingerprint",
+    "warmup",
+    "WarmupSummary",
+    "LineError",
     "PromptStoreError",
     "InvalidInput",
     "CoverageMismatch",

@@ -341,9 +341,9 @@ class _Job:
     def _row(cache: List[Any], i: int, rows: bool) -> List[Any]:
         if not rows:
             return cache
-        out = [layer.extract(i) for layer in cache]
-        eval_cache(out)  # a copy of row i now, before prefill goes on
-        return out
+        from promptstore.rows import extract_row
+
+        return extract_row(cache, i)  # a compact, evaluated copy of row i, before prefill goes on
 
     def _emit(self, i: int, plan: _Plan, n: int, cache: List[Any], final: bool, sink: Optional[List]) -> None:
         meta = plan.meta if final else plan.cuts[n]
