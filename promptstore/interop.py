@@ -36,6 +36,7 @@ __all__ = [
     "write_mlx_cache_file",
     "cache_coverage",
     "check_cache_fits_model",
+    "check_tail_tokens",
     "export_entry",
     "import_mlx_cache_file",
 ]
@@ -224,6 +225,52 @@ def _same_but_length(x: Tuple[int, ...], y: Tuple[int, ...], layer: Any) -> bool
     return not recurrent and len(x) == 4 and len(y) == 4 and x[:2] == y[:2] and x[3] == y[3]
 
 
+TAIL_TOKENS = 4
+TAIL_TOLERANCE = 0.05
+
+
+def check_tail_tokens(cache: Sequence[Any], model: Any, tokens: Sequence[int], where: str = "cache") -> bool:
+    """Check that a KV cache's last positions were made from ``tokens``' last tokens.
+
+    For a cache of plain KV layers only: a copy trimmed by a few tokens is
+    run on the prompt's last tokens, and the keys and values it makes must
+    agree with the stored ones (relative to their magnitude; a different
+    chunking of prefill changes the low bits, a different token changes
+    everything). Recurrent layers cannot be trimmed, so hybrid caches are
+    not checked (returns False).
+
+    Returns:
+        True when the check ran and passed; False when it does not apply.
+
+    Raises:
+        CoverageMismatch: the cache ends with other tokens than ``tokens``.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    n = len(tokens)
+    k = min(TAIL_TOKENS, n - 1)
+    if k < 1 or not all(type(layer) is KVCache and layer.offset == n for layer in cache):
+        return False
+    copies = []
+    for layer in cache:  # fresh array objects: update_and_fetch writes into its buffers in place
+        c = KVCache()
+        c.keys, c.values, c.offset = layer.keys[..., : n - k, :], layer.values[..., : n - k, :], n - k
+        copies.append(c)
+    model(mx.array([list(tokens[n - k :])]), cache=copies)
+    for i, (mine, theirs) in enumerate(zip(copies, cache)):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            a = a[..., n - k : n, :].astype(mx.float32)
+            b = b[..., n - k : n, :].astype(mx.float32)
+            err = (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item()
+            if err > TAIL_TOLERANCE:
+                raise CoverageMismatch(
+                    f"{where}: the cache's last {k} positions (layer {i}) were not made from the last {k} tokens of the prompt; "
+                    "give the exact prompt the file was made from"
+                )
+    return True
+
+
 def export_entry(store: Any, key: str, path: PathLike, model_path: Optional[str] = None, model: Optional[str] = None) -> Tuple[Any, List[int]]:
     """Write the store entry ``key`` as an mlx-lm prompt-cache file.
 
@@ -261,7 +308,9 @@ def import_mlx_cache_file(
     it), so ``tokens`` names what it covers: the tokens of the prompt it was
     made from, templated as ``mlx_lm.cache_prompt`` does
     (:func:`promptstore.prefill.encode_prompt`). Its coverage must be exactly
-    ``len(tokens)``; a file with recorded tokens must match them exactly.
+    ``len(tokens)``; a file with recorded tokens must match them exactly; a
+    plain-KV file's last positions are checked against the prompt's last
+    tokens (:func:`check_tail_tokens`; hybrid files only by count).
 
     Args:
         store: a PromptStore.
@@ -305,6 +354,8 @@ def import_mlx_cache_file(
         raise CoverageMismatch(f"{path}: the file covers other tokens than the prompt (first difference at token {first})")
     if model is not None:
         check_cache_fits_model(f.cache, model, str(path))
+        if f.tokens is None:
+            check_tail_tokens(f.cache, model, tokens, str(path))
     file_meta = {"imported_from": str(Path(path).name)}
     file_meta.update(meta or {})
     return store.put(fingerprint, tokens, f.cache, meta=file_meta)

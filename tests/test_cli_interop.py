@@ -121,6 +121,29 @@ def test_import_of_a_real_cache_prompt_file_then_get_hits(tmp_path):
     assert bad.exit_code == 1 and json.loads(bad.stdout)["error"] == "CoverageMismatch"
 
 
+def test_import_checks_a_dense_files_last_tokens_against_the_prompt(tmp_path):
+    out = tmp_path / "llama.safetensors"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", LLAMA, "--prompt", "Hello there. You are kind.", "--prompt-cache-file", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    _, tok, _, _ = load_fixture("llama")
+    same_length = "Hello there. You are kind!"
+    assert len(encode_prompt(tok, same_length)) == read_mlx_cache_file(out).coverage
+    runner = CliRunner()
+    store = str(tmp_path / "store")
+    bad = runner.invoke(main, ["--store", store, "import", "--model", LLAMA, "--prompt", same_length, str(out), "--json"])
+    assert bad.exit_code == 1 and json.loads(bad.stdout)["error"] == "CoverageMismatch"
+    assert "last" in json.loads(bad.stdout)["message"]
+    good = runner.invoke(main, ["--store", store, "import", "--model", LLAMA, "--prompt", "Hello there. You are kind.", str(out), "--json"])
+    assert good.exit_code == 0, good.output
+    res = runner.invoke(main, ["--store", store, "ls", "--json"])
+    assert [r["id"] for r in json.loads(res.stdout)] == [json.loads(good.stdout)["id"]]
+
+
 def _states(cache):
     return [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
 
