@@ -79,7 +79,10 @@ class Rounds:
         return self._pending is not None
 
     def begin_round(self) -> None:
-        """Open a verify round: the next window call is recorded.
+        """Open a round: the recurrence calls until ``commit``/``rollback`` are recorded.
+
+        A round holds one verify window (``recur_window``), or successive
+        single-position decodes (``recur_decode``, the draft model's side).
 
         Raises:
             RoundError: a round is already open.
