@@ -1,0 +1,390 @@
+"""Subprocess workers for the reliability tests: ``python tests/_workers.py MODE ARGS...``.
+
+The process started by a test is a *zygote*: it imports mlx and promptstore,
+never touches mlx or a store itself, and forks the workers (a fork costs
+~15 ms; a fresh interpreter with mlx costs ~1.4 s, which would make 50+ kills
+far too slow). Workers open their own PromptStore after the fork, as the
+store requires. The zygote prints one JSON document on stdout.
+
+Content is deterministic: ``make_entry(seed, i)`` gives the same tokens and
+cache in every process, so the test process can check any entry bit-exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def make_entry(seed: int, i: int, big_every: int = 6):
+    """``(tokens, cache)``: a real mlx-lm KVCache (plus an ArraysCache layer on
+    odd i), about 4.5 MB (two payload chunks) every ``big_every``-th entry."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    rng = np.random.default_rng([seed, i])
+    n = 4400 if big_every and i % big_every == big_every - 1 else int(rng.integers(4, 120))
+    tokens = [seed % 50000, i % 50000] + rng.integers(0, 50000, n - 2).tolist()
+    k = mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float16))
+    kv = KVCache()
+    kv.update_and_fetch(k, v)
+    layers = [kv]
+    if i % 2:
+        ac = ArraysCache(2)
+        ac[0] = mx.array(rng.standard_normal((1, 3, 16)).astype(np.float32))
+        ac[1] = mx.array(rng.integers(0, 1 << 15, (1, 4, 8)).astype(np.int32))
+        layers.append(ac)
+    return tokens, layers
+
+
+def same_cache(a, b) -> bool:
+    """Bit-exact equality of two caches: class, codec meta and every array."""
+    import mlx.core as mx
+    from promptstore.codecs import encode_layer
+
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if type(x) is not type(y):
+            return False
+        ex, ey = encode_layer(x), encode_layer(y)
+        if ex.kind != ey.kind or ex.meta != ey.meta or set(ex.arrays) != set(ey.arrays):
+            return False
+        for name, p in ex.arrays.items():
+            q = ey.arrays[name]
+            if p.dtype != q.dtype or p.shape != q.shape or not mx.array_equal(p, q).item():
+                return False
+    return True
+
+
+MODEL = "reliability@0"
+
+
+def _say(fd: int, line: str) -> None:
+    os.write(fd, (line + "\n").encode())
+
+
+# -- crash: puts killed by SIGKILL --------------------------------------------------
+
+
+def _crash_child(path: str, seed: int, fd: int, budget) -> None:
+    from promptstore import PromptStore
+
+    try:
+        store = PromptStore(path, map_size=1 << 22)  # small map: growth happens under the kills too
+        for i in range(10_000):
+            tokens, cache = make_entry(seed, i)
+            _say(fd, f"S {seed} {i}")
+            store.put(MODEL, tokens, cache, meta={"seed": seed, "i": i})
+            _say(fd, f"D {seed} {i}")
+            if i % 3 == 2:  # reads between writes: touches flushed by the next put
+                store.get(MODEL, make_entry(seed, i - 1)[0])
+    except BaseException:
+        _say(fd, "E " + traceback.format_exc().replace("\n", " | "))
+        os._exit(1)
+
+
+def crash(path: str, kills: int, seed: int, budget: str) -> dict:
+    rng = random.Random(seed)
+    done, inflight, errors = [], 0, []
+    for k in range(kills):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _crash_child(path, seed * 1000 + k, w, None if budget == "none" else int(budget))
+            os._exit(0)
+        os.close(w)
+        time.sleep(rng.uniform(0.01, 0.2))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        lines = _drain(r).splitlines()
+        if lines and lines[-1].startswith("S"):
+            inflight += 1
+        for line in lines:
+            if line.startswith("D"):
+                done.append([int(x) for x in line.split()[1:]])
+            elif line.startswith("E"):
+                errors.append(line)
+        if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
+            errors.append(f"child {k} ended with status {status}, not by SIGKILL")
+    return {"kills": kills, "done": done, "inflight_at_kill": inflight, "errors": errors}
+
+
+def _drain(fd: int) -> str:
+    out = b""
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        out += chunk
+    os.close(fd)
+    return out.decode()
+
+
+# -- concurrency: 2 writers + 2 readers -------------------------------------------
+
+
+def _writer(path: str, wid: int, seconds: float, report: str, fd: int) -> None:
+    from promptstore import PromptStore
+
+    store = PromptStore(path, map_size=1 << 21)
+    end, i, reads = time.monotonic() + seconds, 0, 0
+    with open(report, "a") as rep:
+        while time.monotonic() < end:
+            tokens, cache = make_entry(wid, i, big_every=10)
+            store.put(MODEL, tokens, cache)
+            rep.write(f"{wid} {i}\n")
+            rep.flush()
+            if i % 4 == 3:  # read one of the other writer's entries
+                reads += _check_reported(store, report.replace(f"w{wid}", f"w{1 - wid}"), 1)
+            i += 1
+    store.close()
+    _say(fd, json.dumps({"role": "writer", "puts": i, "reads": reads}))
+
+
+def _check_reported(store, report: str, n: int) -> int:
+    try:
+        with open(report) as f:
+            lines = [tuple(map(int, ln.split())) for ln in f.read().splitlines() if ln.strip()]
+    except FileNotFoundError:
+        return 0
+    count = 0
+    for wid, i in random.sample(lines, min(n, len(lines))):
+        tokens, cache = make_entry(wid, i, big_every=10)
+        got = store.get(MODEL, tokens)
+        if got is None:
+            raise AssertionError(f"entry ({wid}, {i}) was reported stored but is missing")
+        if not same_cache(got, cache):
+            raise AssertionError(f"entry ({wid}, {i}) is not bit-exact")
+        count += 1
+    return count
+
+
+def _reader(path: str, rid: int, seconds: float, reports, fd: int) -> None:
+    from promptstore import PromptStore
+
+    store = PromptStore(path, map_size=1 << 21)
+    end, reads, listed = time.monotonic() + seconds, 0, 0
+    while time.monotonic() < end:
+        for rep in reports:
+            reads += _check_reported(store, rep, 2)
+        for info in list(store.entries())[-3:]:  # whatever is listed must load whole
+            cache, got_info, tokens = store.load(info.id)
+            if len(tokens) != info.n_tokens or cache[0].offset != info.n_tokens:
+                raise AssertionError(f"entry {info.id} loaded partially")
+            listed += 1
+    store.close()
+    _say(fd, json.dumps({"role": "reader", "reads": reads, "listed_loads": listed}))
+
+
+def concurrency(path: str, seconds: float) -> dict:
+    from promptstore import PromptStore
+
+    d = os.path.dirname(path.rstrip("/")) or "."
+    reports = [os.path.join(d, f"w{w}.txt") for w in (0, 1)]
+    kids = {}
+    for role, n in (("writer", 0), ("writer", 1), ("reader", 0), ("reader", 1)):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                if role == "writer":
+                    _writer(path, n, seconds, reports[n], w)
+                else:
+                    _reader(path, n, seconds, reports, w)
+            except BaseException:
+                _say(w, json.dumps({"role": role, "error": traceback.format_exc()}))
+                os._exit(1)
+            os._exit(0)
+        os.close(w)
+        kids[pid] = r
+    results = []
+    for pid, r in kids.items():
+        _, status = os.waitpid(pid, 0)
+        out = _drain(r).strip()
+        doc = json.loads(out.splitlines()[-1]) if out else {"error": "no output"}
+        doc["status"] = status
+        results.append(doc)
+    return {"processes": 4, "seconds": seconds, "results": results}
+
+
+# -- damage: open and read a damaged store in a child ---------------------------------
+
+
+def _damage_child(path: str, expect: list, fd: int) -> None:
+    from promptstore import PromptStore, PromptStoreError
+
+    out = {"outcome": "ok", "correct": 0, "missing": 0, "typed_errors": 0}
+    try:
+        with PromptStore(path) as store:
+            for seed, i in expect:
+                tokens, cache = make_entry(seed, i)
+                try:
+                    got = store.get(MODEL, tokens)
+                except PromptStoreError as err:
+                    out["typed_errors"] += 1
+                    out.setdefault("entry_errors", []).append(f"{type(err).__name__}: {err}")
+                    continue
+                if got is None:
+                    out["missing"] += 1
+                elif same_cache(got, cache):
+                    out["correct"] += 1
+                else:
+                    out["outcome"] = "WRONG"
+            rep = store.verify()
+            out["verify_problems"] = len(rep.problems)
+    except PromptStoreError as err:
+        out = {"outcome": "error", "type": type(err).__name__, "message": str(err)}
+    except BaseException as err:
+        out = {"outcome": "untyped", "type": type(err).__name__, "message": traceback.format_exc()}
+    _say(fd, json.dumps(out))
+
+
+def _salvage_child(src: str, dst: str, fd: int) -> None:
+    from promptstore import PromptStoreError
+    from promptstore._salvage import salvage
+
+    try:
+        rep = salvage(src, dst)
+        out = {"outcome": "ok", "copied": len(rep.copied), "skipped": len(rep.skipped), "broken": list(rep.unreadable_tables)}
+    except PromptStoreError as err:
+        out = {"outcome": "error", "type": type(err).__name__, "message": str(err)}
+    except BaseException:
+        out = {"outcome": "untyped", "message": traceback.format_exc()}
+    _say(fd, json.dumps(out))
+
+
+def _in_child(fn, *args) -> dict:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            fn(*args, w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    out = _drain(r).strip()
+    doc = json.loads(out.splitlines()[-1]) if out else {"outcome": "no output"}
+    if os.WIFSIGNALED(status):
+        doc = {"outcome": "signal", "signal": signal.Signals(os.WTERMSIG(status)).name}
+    return doc
+
+
+def damage(cases_json: str) -> dict:
+    """For each case (store path, salvage dst, expected entries): read, then salvage."""
+    out = []
+    for case in json.loads(cases_json):
+        read = _in_child(_damage_child, case["path"], case["expect"])
+        salv = _in_child(_salvage_child, case["path"], case["dst"])
+        out.append({"name": case["name"], "read": read, "salvage": salv})
+    return {"cases": out}
+
+
+# -- disk full: a file-size limit in the child -----------------------------------------
+
+
+def _fsize_child(path: str, limit: int, fd: int) -> None:
+    import resource
+
+    from promptstore import PromptStore, PromptStoreError
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    done = []
+    out = {}
+    try:
+        store = PromptStore(path)
+        for i in range(1000):
+            tokens, cache = make_entry(77, i, big_every=3)
+            store.put(MODEL, tokens, cache)
+            done.append([77, i])
+        out = {"outcome": "never full"}
+    except PromptStoreError as err:
+        out = {"outcome": "error", "type": type(err).__name__, "message": str(err)}
+        try:  # the store keeps serving reads after a failed write
+            out["read_after"] = store.get(MODEL, make_entry(77, 0, big_every=3)[0]) is not None
+        except BaseException as e:
+            out["read_after"] = repr(e)
+    except BaseException:
+        out = {"outcome": "untyped", "message": traceback.format_exc()}
+    out["done"] = done
+    _say(fd, json.dumps(out))
+
+
+def fsize(path: str, limit: int) -> dict:
+    return _in_child(_fsize_child, path, limit)
+
+
+def _compact_child(path: str, seconds: float, report: str, fd: int) -> None:
+    from promptstore import PromptStore
+
+    store = PromptStore(path)
+    end, i, gens = time.monotonic() + seconds, 0, set()
+    with open(report, "a") as rep:
+        while time.monotonic() < end:
+            tokens, cache = make_entry(55, i, big_every=0)
+            store.put(MODEL, tokens, cache)
+            rep.write(f"55 {i}\n")
+            rep.flush()
+            got = store.get(MODEL, make_entry(55, i // 2, big_every=0)[0])
+            if got is None or not same_cache(got, make_entry(55, i // 2, big_every=0)[1]):
+                raise AssertionError(f"entry (55, {i // 2}) lost or damaged across compaction")
+            gens.add(store.env.generation)
+            i += 1
+            time.sleep(0.005)
+    store.close()
+    _say(fd, json.dumps({"puts": i, "generations": sorted(gens)}))
+
+
+def compact_peer(path: str, seconds: float, report: str) -> dict:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            _compact_child(path, seconds, report, w)
+        except BaseException:
+            _say(w, json.dumps({"error": traceback.format_exc()}))
+            os._exit(1)
+        os._exit(0)
+    os.close(w)
+    print(json.dumps({"ready": True}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    out = _drain(r).strip()
+    doc = json.loads(out.splitlines()[-1]) if out else {"error": "no output"}
+    doc["status"] = status
+    return doc
+
+
+if __name__ == "__main__":
+    # Import (but never run) mlx and promptstore before forking: children start warm.
+    import mlx.core  # noqa: F401
+    import mlx_lm.models.cache  # noqa: F401
+    import promptstore  # noqa: F401
+    import promptstore._salvage  # noqa: F401
+
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "crash":
+        res = crash(args[0], int(args[1]), int(args[2]), args[3])
+    elif mode == "concurrency":
+        res = concurrency(args[0], float(args[1]))
+    elif mode == "damage":
+        res = damage(args[0])
+    elif mode == "fsize":
+        res = fsize(args[0], int(args[1]))
+    elif mode == "compact_peer":
+        res = compact_peer(args[0], float(args[1]), args[2])
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print(json.dumps(res), flush=True)
