@@ -17,6 +17,7 @@ from promptstore.errors import (
     InvalidInput,
     ModelMismatch,
     PromptStoreError,
+    RoundError,
     StoreError,
     StoreFull,
     StoreUnavailable,
@@ -24,6 +25,9 @@ from promptstore.errors import (
     UnsupportedVersion,
 )
 from promptstore.identity import fingerprint
+from promptstore.speculative import SpeculativeResult, SpeculativeStats, speculative_generate, speculative_generate_step
+from promptstore.ssm import SSMCache, adapt, unadapt
+from promptstore.ssm import make_prompt_cache as make_ssm_prompt_cache
 from promptstore.store import EntryInfo, Hit, PromptStore, VerifyReport, default_path
 from promptstore.warmup import LineError, WarmupSummary, warmup
 
@@ -36,6 +40,14 @@ __all__ = [
     "VerifyReport",
     "default_path",
     "fingerprint",
+    "SSMCache",
+    "make_ssm_prompt_cache",
+    "adapt",
+    "unadapt",
+    "speculative_generate",
+    "speculative_generate_step",
+    "SpeculativeResult",
+    "SpeculativeStats",
     "warmup",
     "WarmupSummary",
     "LineError",
@@ -48,6 +60,7 @@ __all__ = [
     "UnknownStorageKind",
     "UnsupportedVersion",
     "CorruptEntry",
+    "RoundError",
     "StoreError",
     "StoreFull",
     "StoreUnavailable",

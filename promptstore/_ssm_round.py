@@ -13,16 +13,7 @@ from typing import Any, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from promptstore import _ssm_recur as _recur
-from promptstore.errors import InvalidInput, PromptStoreError
-
-
-class RoundError(PromptStoreError):
-    """A speculative round was used out of order.
-
-    Raised for ``commit``/``rollback`` without ``begin_round``, a second window
-    call in one round, a row move or persistence while a round is open, and a
-    slot written behind the cache's back during a round (install the adapter).
-    """
+from promptstore.errors import InvalidInput, RoundError
 
 
 Keep = Union[int, Sequence[int]]

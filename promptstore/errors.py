@@ -14,6 +14,7 @@ Messages say what failed, where (path or key) and what to do about it.
     │   ├── UnknownStorageKind  unregistered class or kind string
     │   └── UnsupportedVersion  a codec or format version newer than this reader
     ├── CorruptEntry            checksum, size or manifest damage in one entry
+    ├── RoundError              a speculative verify round used out of order
     └── StoreError              the LMDB environment itself
         ├── StoreFull           disk or map full
         └── StoreUnavailable    cannot open, wrong process (fork), file damaged
@@ -31,6 +32,7 @@ __all__ = [
     "UnknownStorageKind",
     "UnsupportedVersion",
     "CorruptEntry",
+    "RoundError",
     "StoreError",
     "StoreFull",
     "StoreUnavailable",
@@ -77,6 +79,15 @@ class UnsupportedVersion(CodecError):
 
 class CorruptEntry(PromptStoreError):
     """An entry's manifest or payload is damaged (checksum, size, structure)."""
+
+
+class RoundError(PromptStoreError):
+    """A speculative round of an SSMCache was used out of order.
+
+    Raised for ``commit``/``rollback`` without ``begin_round``, a second window
+    call in one round, a row move or persistence while a round is open, and a
+    slot written behind the cache's back during a round (install the adapter).
+    """
 
 
 class StoreError(PromptStoreError):
