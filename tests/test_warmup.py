@@ -45,7 +45,7 @@ def _warm(path, name, batch_size, every=EVERY, **kw):
 def warmed(tmp_path_factory):
     """Each fixture model warmed once, batched (4) and serial (1)."""
     out = {}
-    for name in ("llama", "qwen3_next"):
+    for name in ("llama", "qwen3_next", "qwen3_5"):
         for bs in (4, 1):
             path = tmp_path_factory.mktemp(f"{name}-{bs}") / "store"
             out[name, bs] = (path, _warm(path, name, bs))
@@ -169,7 +169,7 @@ def _dump(path):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "qwen3_5"])
 def test_batched_entries_byte_identical_to_serial(warmed, name):
     batched, serial = _dump(warmed[name, 4][0]), _dump(warmed[name, 1][0])
     assert warmed[name, 4][1].batched and not warmed[name, 1][1].batched
