@@ -31,7 +31,7 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-_CACHE: Dict[Tuple[str, int, int], str] = {}
+_CACHE: Dict[Tuple[str, tuple], str] = {}
 _READ = 16 * 1024 * 1024
 
 
@@ -61,8 +61,9 @@ def _dir_fingerprint(path: Path, name: Optional[str]) -> str:
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise InvalidInput(f"{path}: no *.safetensors weights; pass an mlx-lm model directory")
-    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in [config_path, *weights]]
-    key = (str(path.resolve()), hash(tuple(stamp)), len(stamp))
+    tokenizer_files = [path / f for f in _TOKENIZER_FILES if (path / f).is_file()]
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in [config_path, *weights, *tokenizer_files]]
+    key = (str(path.resolve()), tuple(stamp))
     if key in _CACHE and name is None:
         return _CACHE[key]
     h = xxhash.xxh3_128()
@@ -74,11 +75,9 @@ def _dir_fingerprint(path: Path, name: Optional[str]) -> str:
     for p in weights:
         h.update(b"weights\0" + p.name.encode() + b"\0")
         _hash_file(h, p)
-    for fname in _TOKENIZER_FILES:
-        p = path / fname
-        if p.is_file():
-            h.update(b"tokenizer\0" + fname.encode() + b"\0")
-            _hash_file(h, p)
+    for p in tokenizer_files:
+        h.update(b"tokenizer\0" + p.name.encode() + b"\0")
+        _hash_file(h, p)
     result = f"{_clean_name(name or path.resolve().name)}@{h.hexdigest()}"
     if name is None:
         _CACHE[key] = result
