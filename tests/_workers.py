@@ -303,6 +303,7 @@ def _fsize_child(path: str, limit: int, fd: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     done = []
     out = {}
+    store = None
     try:
         store = PromptStore(path)
         for i in range(1000):
