@@ -143,6 +143,7 @@ class Env:
         except OSError as err:
             raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
         try:
+            check_size(env, where)
             env.reader_check()
             db = {}
             with env.begin(write=not self.readonly) as txn:
@@ -156,6 +157,9 @@ class Env:
         except lmdb.Error as err:
             env.close()
             raise translate(err, where, "open") from err
+        except StoreError:
+            env.close()
+            raise
         return _Gen(env, db, name, where)
 
     @property
@@ -354,6 +358,26 @@ class Env:
     def close(self) -> None:
         if os.getpid() == self.pid:
             self._gen.env.close()
+
+
+def pages_needed(env: lmdb.Environment) -> int:
+    """Bytes data.mdb must have for every page the newest meta page uses."""
+    return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+
+
+def check_size(env: lmdb.Environment, where: Path) -> None:
+    """Refuse a truncated data.mdb: LMDB would touch pages past its end and
+    the process would die of SIGBUS (reproduced on LMDB 0.9.x)."""
+    try:
+        have = (where / "data.mdb").stat().st_size
+    except OSError:
+        return
+    need = pages_needed(env)
+    if have < need:
+        raise StoreUnavailable(
+            f"{where / 'data.mdb'} is truncated: {have} bytes, but its pages reach {need}; copy the intact "
+            f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
+        )
 
 
 def _disk_full(where: Path) -> Optional[str]:

@@ -12,6 +12,7 @@ they were.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Set, Tuple
@@ -19,7 +20,7 @@ from typing import List, Set, Tuple
 import lmdb
 
 from promptstore import _budget, _entry, _keys
-from promptstore._env import DBS, live_dir
+from promptstore._env import DBS, live_dir, pages_needed
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 
 
@@ -34,27 +35,43 @@ class SalvageReport:
     unreadable_tables: Tuple[str, ...]  # tables whose walk failed part way
 
 
-def _open_source(src: Path):
+def _open_source(src: Path, scratch: Path):
     where, _ = live_dir(src)
     if not (where / "data.mdb").exists():
         raise StoreUnavailable(f"{src}: no data.mdb in {where}; nothing to salvage")
     try:
-        env = lmdb.open(str(where), readonly=True, lock=False, max_dbs=len(DBS) + 1, subdir=True, create=False)
+        env = _open_raw(where)
+        if (where / "data.mdb").stat().st_size < pages_needed(env):
+            # Truncated: reading past the end would kill us with SIGBUS. Read a
+            # copy padded with zero pages instead (LMDB reports those as corrupt).
+            env.close()
+            scratch.mkdir(parents=True)
+            shutil.copyfile(where / "data.mdb", scratch / "data.mdb")
+            env = _open_raw(scratch)
+            need = pages_needed(env)
+            env.close()
+            os.truncate(scratch / "data.mdb", need)
+            env = _open_raw(scratch)
     except lmdb.Error as err:
         raise StoreUnavailable(
             f"{where}/data.mdb cannot be opened ({err}); its header pages are damaged beyond what salvage "
             "can read: restore the directory from a backup or remove it"
         ) from err
-    dbs = {}
+    env_dbs = {}
     for name in DBS:
         try:
-            dbs[name] = env.open_db(name, create=False, dupsort=name == b"ends")
+            env_dbs[name] = env.open_db(name, create=False, dupsort=name == b"ends")
         except lmdb.Error:
             pass
+    dbs = env_dbs
     if b"entries" not in dbs or b"chunks" not in dbs:
         env.close()
         raise StoreUnavailable(f"{where}/data.mdb: its table directory is damaged; nothing can be salvaged")
     return env, dbs
+
+
+def _open_raw(where: Path):
+    return lmdb.open(str(where), readonly=True, lock=False, max_dbs=len(DBS) + 1, subdir=True, create=False)
 
 
 def _candidates(env, dbs) -> Tuple[List[bytes], List[str]]:
@@ -114,7 +131,9 @@ def salvage(src, dst) -> SalvageReport:
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if dst.exists() and any(dst.iterdir()):
         raise InvalidInput(f"{dst} exists and is not empty; salvage writes into a fresh directory")
-    env, dbs = _open_source(src)
+    scratch = dst.parent / f".{dst.name}.salvage-src"
+    shutil.rmtree(scratch, ignore_errors=True)
+    env, dbs = _open_source(src, scratch)
     copied: List[str] = []
     skipped: List[Tuple[str, str]] = []
     try:
@@ -139,6 +158,7 @@ def salvage(src, dst) -> SalvageReport:
                 out.env.write(lambda txn: txn.put(_budget.BUDGET, _budget._U64.pack(budget), db=out._db[b"info"]))
     finally:
         env.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     return SalvageReport(str(src), str(dst), tuple(copied), tuple(skipped), tuple(broken))
 
 

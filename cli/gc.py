@@ -1,0 +1,69 @@
+"""``promptstore gc``: evict least-recently-used entries down to the byte budget."""
+
+from __future__ import annotations
+
+import click
+
+from promptstore.cli._common import command, emit_json, fail, format_size, guarded, json_option
+from promptstore.cli.rm import interactive
+
+
+def parse_bytes(text: str) -> int:
+    """``12GB``, ``500MB``, ``1.5G``, ``1000000``: decimal units, as format_size prints them."""
+    units = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12}
+    s = text.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB)", param_hint="--budget") from None
+    if unit not in units or value < 0:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB)", param_hint="--budget")
+    return int(value * units[unit])
+
+
+@command()
+@click.option("--budget", default=None, metavar="SIZE", help="Set the store's byte budget (remembered), e.g. 20GB; 'none' removes it.")
+@click.option("--dry-run", is_flag=True, help="Show what would be evicted; change nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Evict without asking (required without a terminal).")
+@json_option
+@click.pass_obj
+@guarded
+def gc(obj, budget, dry_run, yes, as_json):
+    """Evict least-recently-used unpinned entries until the store fits its budget.
+
+    With --budget, the new budget is stored first (every later put then evicts
+    by itself). The data file does not shrink: run `promptstore compact`.
+    """
+    store = obj.store
+    new_budget = None if budget is None or budget.lower() == "none" else parse_bytes(budget)
+    target = new_budget if budget is not None else store.budget
+    plan = store.gc(budget=target, dry_run=True) if target is not None else None
+    evicting = plan.evicted if plan else ()
+    if not as_json:
+        click.echo(f"budget {format_size(target) if target is not None else 'none'}; in use {format_size(store.usage())}")
+        if evicting:
+            click.echo(f"plan: evict {len(evicting)} entries, {format_size(plan.freed)} (least recently used first)")
+    if dry_run:
+        if as_json:
+            emit_json({"dry_run": True, "budget": target, "evict": list(evicting), "bytes": plan.freed if plan else 0,
+                       "usage": plan.usage if plan else store.usage()})
+        else:
+            click.echo("dry run: nothing evicted")
+        return
+    if evicting and not yes:
+        if not interactive():
+            fail("NeedsConfirmation", f"refusing to evict {len(evicting)} entries without a terminal to confirm; pass --yes", as_json)
+        if not click.confirm(f"Evict {len(evicting)} entries, {format_size(plan.freed)}?", default=False, err=True):
+            fail("Aborted", "not confirmed; nothing evicted", as_json)
+    if budget is not None:
+        evicted = store.set_budget(new_budget).evicted + store.gc().evicted  # gc also recounts sizes
+    else:
+        evicted = store.gc().evicted
+    if as_json:
+        emit_json({"dry_run": False, "budget": store.budget, "evicted": list(evicted),
+                   "usage": store.usage(), "file_bytes": store.file_size()})
+    else:
+        click.echo(f"evicted {len(evicted)} entries; in use {format_size(store.usage())}; "
+                   f"file {format_size(store.file_size())} (run `promptstore compact` to shrink it)")

@@ -1,0 +1,32 @@
+"""``promptstore salvage SRC DST``: copy every intact entry into a fresh store."""
+
+from __future__ import annotations
+
+import click
+
+from promptstore._salvage import salvage as run_salvage
+from promptstore.cli._common import command, emit_json, guarded, json_option
+
+
+@command()
+@click.argument("src", type=click.Path(file_okay=False, exists=True))
+@click.argument("dst", type=click.Path(file_okay=False))
+@json_option
+@guarded
+def salvage(src, dst, as_json):
+    """Copy every intact entry of the store SRC into a new store DST.
+
+    SRC is only read (a damaged store may not even open normally); each entry
+    is fully checked before it is copied. Then point --store at DST.
+    """
+    report = run_salvage(src, dst)
+    if as_json:
+        emit_json({"src": report.src, "dst": report.dst, "copied": list(report.copied),
+                   "skipped": [{"id": i, "why": w} for i, w in report.skipped],
+                   "unreadable_tables": list(report.unreadable_tables)})
+        return
+    for eid, why in report.skipped:
+        click.echo(f"skipped {eid}: {why}", err=True)
+    if report.unreadable_tables:
+        click.echo(f"warning: tables partly unreadable: {', '.join(report.unreadable_tables)}", err=True)
+    click.echo(f"salvaged {len(report.copied)} entries into {report.dst}; {len(report.skipped)} left behind")

@@ -1,0 +1,96 @@
+"""Damage to data.mdb itself: truncation and overwritten LMDB pages.
+
+Each case is opened and read in its own forked process (a crash there must
+not take the test run with it): it ends in a typed error naming the file and
+the way to recover, or in correct reads (a damaged entry may raise a typed
+error, never return wrong data). Then ``salvage`` copies the intact entries
+into a fresh store, which must verify clean and hold only bit-exact entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+from _workers import MODEL, make_entry, same_cache
+from promptstore import PromptStore
+from test_crash import run_worker
+
+PAGE = 4096
+N = 16
+
+
+def _pages(path):
+    return os.path.getsize(path) // PAGE
+
+
+def _overwrite(path, pages, fill):
+    with open(path, "r+b") as f:
+        for p in pages:
+            f.seek(p * PAGE)
+            f.write(fill(PAGE))
+
+
+def damage_cases(base, rng):
+    rnd = lambda n: bytes(rng.randrange(256) for _ in range(n))  # noqa: E731
+    zero = lambda n: bytes(n)  # noqa: E731
+    data = lambda d: d / "data.mdb"  # noqa: E731
+    return {
+        "truncate_half": lambda d: os.truncate(data(d), _pages(data(d)) // 2 * PAGE),
+        "truncate_to_meta": lambda d: os.truncate(data(d), 2 * PAGE),
+        "truncate_to_zero": lambda d: os.truncate(data(d), 0),
+        "zero_both_meta_pages": lambda d: _overwrite(data(d), [0, 1], zero),
+        "random_meta_page_0": lambda d: _overwrite(data(d), [0], rnd),
+        "random_inner_pages": lambda d: _overwrite(data(d), rng.sample(range(2, _pages(data(d))), 3), rnd),
+        "zero_inner_pages": lambda d: _overwrite(data(d), rng.sample(range(2, _pages(data(d))), 3), zero),
+        "lock_file_removed": lambda d: os.unlink(d / "lock.mdb"),
+    }
+
+
+def test_file_damage_then_salvage(tmp_path):
+    base = tmp_path / "base"
+    expect = [[61, i] for i in range(N)]
+    with PromptStore(base) as store:
+        for seed, i in expect:
+            store.put(MODEL, *make_entry(seed, i))
+    rng = random.Random(8)
+    cases = []
+    for name, hurt in damage_cases(base, rng).items():
+        d = tmp_path / name
+        shutil.copytree(base, d)
+        hurt(d)
+        cases.append({"name": name, "path": str(d), "dst": str(tmp_path / f"{name}.salvaged"), "expect": expect})
+    res = run_worker("damage", json.dumps(cases))
+    lines, crashes = [], []
+    for case, out in zip(cases, res["cases"]):
+        read, salv = out["read"], out["salvage"]
+        lines.append(f"{case['name']}: read {read.get('outcome')} {read.get('type', '')} "
+                     f"correct={read.get('correct', '-')} typed={read.get('typed_errors', '-')}; "
+                     f"salvage {salv.get('outcome')} copied={salv.get('copied', '-')}")
+        if read["outcome"] == "signal" or salv["outcome"] == "signal":
+            crashes.append(case["name"])
+            continue
+        assert read["outcome"] in ("ok", "error"), (case["name"], read)
+        if read["outcome"] == "error":
+            assert case["path"] in read["message"], read["message"]
+            assert "salvage" in read["message"] or "backup" in read["message"], read["message"]
+        else:
+            assert read["correct"] + read["missing"] + read["typed_errors"] == N
+        assert salv["outcome"] in ("ok", "error"), (case["name"], salv)
+        if salv["outcome"] == "ok":
+            with PromptStore(case["dst"]) as dst:
+                assert dst.verify().ok
+                infos = list(dst.entries())
+                assert len(infos) == salv["copied"]
+                for seed, i in expect:
+                    t, c = make_entry(seed, i)
+                    got = dst.get(MODEL, t)
+                    assert got is None or same_cache(got, c)
+                if read["outcome"] == "ok":  # whatever read correctly was salvaged
+                    assert salv["copied"] >= read["correct"]
+        else:
+            assert case["path"] in salv["message"] or "data.mdb" in salv["message"], salv["message"]
+    print("\n" + "\n".join(lines))
+    assert not crashes, f"LMDB crashed the process on: {crashes}"
