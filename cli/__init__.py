@@ -9,10 +9,10 @@ import importlib
 
 import click
 
-from promptstore.cli._common import Ctx
+from promptstore.cli._common import Ctx, Group
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--store",
     "store_path",
@@ -34,6 +34,13 @@ COMMANDS = (
     ("put", "put"),
     ("get", "get"),
     ("ls", "ls"),
+    ("rm", "rm"),
+    ("stats", "stats"),
+    ("verify", "verify"),
+    ("export", "export"),
+    ("import_", "import_"),
+    ("bench", "bench"),
+    ("warmup", "warmup"),
 )
 
 for _module, _attr in COMMANDS:
