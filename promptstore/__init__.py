@@ -29,11 +29,16 @@ from promptstore.speculative import SpeculativeResult, SpeculativeStats, specula
 from promptstore.ssm import SSMCache, adapt, unadapt
 from promptstore.ssm import make_prompt_cache as make_ssm_prompt_cache
 from promptstore.store import EntryInfo, Hit, PromptStore, VerifyReport, default_path
+from promptstore._budget import GcReport
+from promptstore._salvage import SalvageReport, salvage
 from promptstore.warmup import LineError, WarmupSummary, warmup
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GcReport",
+    "SalvageReport",
+    "salvage",
     "PromptStore",
     "EntryInfo",
     "Hit",
