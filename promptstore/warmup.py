@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 
+from promptstore.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.codecs import encode_layer
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.identity import fingerprint
@@ -52,13 +53,10 @@ __all__ = [
     "LineError",
     "PromptRecord",
     "read_prompts",
-    "message_boundaries",
-    "needs_checkpoints",
 ]
 
 log = logging.getLogger("promptstore")
 
-BOUNDARY_ROLES = ("system", "developer", "user")
 _KEYS = {"id", "prompt", "messages", "meta"}
 # (prompts done, prompts to do, tokens prefilled so far, seconds so far)
 Progress = Callable[[int, int, int, float], None]
@@ -195,34 +193,6 @@ def read_prompts(source: Union[str, os.PathLike, Iterable[Dict[str, Any]]]) -> T
 
 
 # -- checkpoints ---------------------------------------------------------------
-
-
-def message_boundaries(tokenizer: Any, messages: Sequence[Dict[str, Any]], tokens: Sequence[int]) -> List[int]:
-    """Token counts at the end of each system/developer/user message that are a true prefix of ``tokens``.
-
-    Each count comes from templating the first k messages without a
-    generation prompt; a count whose tokens are not exactly a prefix of the
-    whole conversation (a template that rewrites earlier turns) is dropped.
-    The full length itself is not a boundary.
-    """
-    out = set()
-    full = list(tokens)
-    for k in range(1, len(messages)):
-        if messages[k - 1].get("role") not in BOUNDARY_ROLES:
-            continue
-        part = list(tokenizer.apply_chat_template(list(messages[:k]), add_generation_prompt=False))
-        if 0 < len(part) < len(full) and full[: len(part)] == part:
-            out.add(len(part))
-    return sorted(out)
-
-
-def needs_checkpoints(model: Any) -> bool:
-    """True when the model's cache may be impossible to trim: any layer that is
-    not a plain (possibly quantized) KV cache, e.g. recurrent state or a
-    sliding window. Such entries only serve queries that extend them exactly."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-    return any(type(layer) not in (KVCache, QuantizedKVCache) for layer in make_cache(model))
 
 
 # -- the job -------------------------------------------------------------------

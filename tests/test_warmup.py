@@ -20,7 +20,8 @@ from promptstore import PromptStore, PromptStoreError, warmup
 from promptstore.cli import main
 from promptstore.codecs import encode_layer
 from promptstore.prefill import encode_prompt, prefill
-from promptstore.warmup import message_boundaries, read_prompts
+from promptstore.checkpoints import message_boundaries
+from promptstore.warmup import read_prompts
 
 PROMPTS = ROOT / "fixtures" / "prompts" / "sample20.jsonl"
 BAD = ROOT / "fixtures" / "prompts" / "bad_lines.jsonl"

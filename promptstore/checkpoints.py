@@ -17,6 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from promptstore.prefill import make_cache, prefill
 
+__all__ = ["BOUNDARY_ROLES", "message_boundaries", "needs_checkpoints", "prefill_with_checkpoints"]
+
 BOUNDARY_ROLES = ("system", "developer", "user")
 
 
@@ -39,9 +41,11 @@ def message_boundaries(tokenizer: Any, messages: List[Dict[str, Any]], tokens: S
     return sorted(out)
 
 
-def needs_checkpoints(model: Any, n_tokens: int) -> bool:
+def needs_checkpoints(model: Any, n_tokens: Optional[int] = None) -> bool:
     """True when a cache of ``n_tokens`` on ``model`` could not be trimmed:
-    a recurrent layer, or a sliding window no longer than the prompt."""
+    a recurrent layer, or a sliding window no longer than the prompt (any
+    sliding window when ``n_tokens`` is None). Such entries only serve
+    queries that extend them exactly, so chats need boundary checkpoints."""
 
     def untrimmable(layer) -> bool:
         inner = getattr(layer, "caches", None)
@@ -50,7 +54,7 @@ def needs_checkpoints(model: Any, n_tokens: int) -> bool:
         if not layer.is_trimmable():
             return True
         size = getattr(layer, "max_size", None)
-        return isinstance(size, int) and size <= n_tokens
+        return isinstance(size, int) and (n_tokens is None or size <= n_tokens)
 
     return any(untrimmable(layer) for layer in make_cache(model))
 
