@@ -166,7 +166,13 @@ def _copy_in(out, txn, ekey, raw, man, chunks, used, pinned) -> None:
     db = out._db
     for i, c in enumerate(chunks):
         txn.put(ekey + _keys.u32(i), c, db=db[b"chunks"])
-    out._index_add(txn, ekey[:16], _keys.prefix_hashes(man.tokens), len(man.tokens), ekey, man.trimmable)
+    hashes = _keys.prefix_hashes(man.tokens)
+    if hasattr(out, "_index_add"):
+        out._index_add(txn, ekey[:16], hashes, len(man.tokens), ekey, man.trimmable)
+    else:  # the prefix index moved to promptstore._index
+        from promptstore import _index
+
+        _index.add(txn, db, ekey[:16], man.tokens, hashes, ekey, man.trimmable)
     if used is not None and len(used) == 8:
         txn.put(ekey, used, db=db[b"used"])
     txn.put(_keys.entry_id(ekey).encode(), ekey, db=db[b"ids"])
