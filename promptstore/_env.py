@@ -47,8 +47,8 @@ T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; grows on demand
 MAX_MAP_SIZE = 1 << 46
-DBS = (b"entries", b"chunks", b"nodes", b"ends", b"used", b"ids", b"info", b"pins", b"sizes")
-_DUPSORT = {b"ends"}
+DBS = (b"entries", b"chunks", b"nodes", b"ends", b"segs", b"used", b"ids", b"info", b"pins", b"sizes")
+_DUPSORT = {b"ends", b"segs"}
 CURRENT = "CURRENT"
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
 

@@ -6,12 +6,7 @@
 * Prefix hashes: a polynomial rolling hash of every prefix of a token list,
   computed in one vectorised pass (wrapping uint64 arithmetic). They address
   the index only; every candidate they lead to is checked token by token.
-* Index nodes, one per ``BLOCK`` tokens of every entry (``k*BLOCK <= n``),
-  keyed model id + prefix hash + k. A node exists for prefix ``p`` of length
-  ``k*BLOCK`` iff some entry extends through ``p``, so the deepest node of a
-  query is found by binary search. Node ``k`` of an entry of length ``n`` with
-  ``k == n // BLOCK`` also lists the entry's end in a dupsort table, sorted by
-  length, so the longest stored prefix ending in that block is one cursor walk.
+The prefix index built on these lives in ``_index``.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import numpy as np
 
 from promptstore.errors import InvalidInput
 
-BLOCK = 256
 _B = 0x9E3779B97F4A7C15 | 1
 _B_INV = pow(_B, -1, 1 << 64)
 _U32 = struct.Struct(">I")

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import lmdb
-import msgpack
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from promptstore import _budget, _entry, _keys
+from promptstore import _budget, _entry, _index, _keys
 from promptstore._capacity import CapacityMixin
 from promptstore._env import DEFAULT_MAP_SIZE, Env
 from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
@@ -40,7 +39,6 @@ log = logging.getLogger("promptstore")
 STORE_FORMAT = 1
 _F64 = struct.Struct(">d")
 _U64 = struct.Struct(">Q")
-_MAX_REPS = 4
 
 
 def default_path() -> Path:
@@ -258,7 +256,7 @@ class PromptStore(CapacityMixin):
                 self._unlink(txn, ekey, old)
             for i, chunk in enumerate(_entry.iter_chunks(views, payload)):
                 txn.put(ekey + _keys.u32(i), chunk, db=self._db[b"chunks"])
-            self._index_add(txn, mid, hashes, n, ekey, trimmable)
+            _index.add(txn, self._db, mid, toks, hashes, ekey, trimmable)
             txn.put(ekey, _F64.pack(now), db=self._db[b"used"])
             txn.put(eid.encode(), ekey, db=self._db[b"ids"])
             self._flush_in(txn)
@@ -292,38 +290,6 @@ class PromptStore(CapacityMixin):
 
         return rows.put_row(self, model, tokens, batch_cache, row, meta)
 
-    def _index_add(self, txn, mid: bytes, hashes: np.ndarray, n: int, ekey: bytes, trimmable: bool) -> None:
-        nodes = self._db[b"nodes"]
-        last = n // _keys.BLOCK
-        for k in range(last + 1):
-            nk = _keys.node_key(mid, hashes[k * _keys.BLOCK], k)
-            raw = txn.get(nk, db=nodes)
-            node = _load_node(raw)
-            node["count"] += 1
-            if trimmable and n > k * _keys.BLOCK:
-                node["reps"] = [ekey] + [r for r in node["reps"] if r != ekey][: _MAX_REPS - 1]
-            txn.put(nk, msgpack.packb(node, use_bin_type=True), db=nodes)
-        nk = _keys.node_key(mid, hashes[last * _keys.BLOCK], last)
-        txn.put(nk, _keys.end_value(n, hashes[n], ekey), db=self._db[b"ends"], dupdata=True)
-
-    def _index_remove(self, txn, mid: bytes, hashes: np.ndarray, n: int, ekey: bytes) -> None:
-        nodes = self._db[b"nodes"]
-        last = n // _keys.BLOCK
-        for k in range(last + 1):
-            nk = _keys.node_key(mid, hashes[k * _keys.BLOCK], k)
-            raw = txn.get(nk, db=nodes)
-            if raw is None:
-                continue
-            node = _load_node(raw)
-            node["count"] -= 1
-            node["reps"] = [r for r in node["reps"] if r != ekey]
-            if node["count"] <= 0:
-                txn.delete(nk, db=nodes)
-            else:
-                txn.put(nk, msgpack.packb(node, use_bin_type=True), db=nodes)
-        nk = _keys.node_key(mid, hashes[last * _keys.BLOCK], last)
-        txn.delete(nk, _keys.end_value(n, hashes[n], ekey), db=self._db[b"ends"])
-
     def _unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> None:
         """Remove an entry's chunks, index records and bookkeeping."""
         cur = txn.cursor(db=self._db[b"chunks"])
@@ -334,7 +300,7 @@ class PromptStore(CapacityMixin):
         if raw_manifest is not None:
             try:
                 man = _entry.unpack_manifest(bytes(raw_manifest), _keys.entry_id(ekey))
-                self._index_remove(txn, ekey[:16], _keys.prefix_hashes(man.tokens), len(man.tokens), ekey)
+                _index.remove(txn, self._db, ekey[:16], man.tokens, _keys.prefix_hashes(man.tokens), ekey)
             except PromptStoreError:
                 pass  # damaged manifest: its index records become harmless dead ends
         txn.delete(ekey, db=self._db[b"used"])
@@ -467,9 +433,9 @@ class PromptStore(CapacityMixin):
         """
         mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        hashes = _keys.prefix_hashes(toks)
         with self.env.read(buffers=True) as txn:
-            for ekey, matched, man in self._candidates(txn, mid, toks, hashes):
+            manifest = lambda ekey: self._safe_manifest(txn, ekey)  # noqa: E731
+            for ekey, matched, man in _index.candidates(txn, self._db, mid, toks, manifest):
                 try:
                     if man.model != model:
                         raise ModelMismatch(f"entry {man.entry_id} belongs to {man.model!r}, not {model!r}")
@@ -486,68 +452,6 @@ class PromptStore(CapacityMixin):
                 return Hit(cache, matched, info, trimmed)
         self._count("misses")
         return None
-
-    def _candidates(self, txn, mid: bytes, toks: np.ndarray, hashes: np.ndarray) -> Iterator[Tuple[bytes, int, _entry.Manifest]]:
-        """Candidates best first: ``(entry key, tokens usable, manifest)``."""
-        nodes = self._db[b"nodes"]
-        L = len(toks)
-        B = _keys.BLOCK
-
-        def node(k: int):
-            return txn.get(_keys.node_key(mid, hashes[k * B], k), db=nodes)
-
-        lo, hi = 0, L // B
-        if node(0) is None:
-            return
-        while lo < hi:  # deepest k with a node: nodes are prefix-closed
-            mid_k = (lo + hi + 1) // 2
-            if node(mid_k) is not None:
-                lo = mid_k
-            else:
-                hi = mid_k - 1
-        deepest = lo
-        exact = self._exact_prefixes(txn, mid, toks, hashes, deepest)
-        first = next(exact, None)
-        best = first[0] if first else 0
-        trim: List[Tuple[int, bytes, _entry.Manifest]] = []
-        raw = node(deepest)
-        for ekey in _load_node(raw)["reps"] if raw is not None else []:
-            man = self._safe_manifest(txn, ekey)
-            if man is None or not man.trimmable:
-                continue
-            m = min(len(man.tokens), L)
-            same = man.tokens[:m] == toks[:m]
-            c = m if same.all() else int(np.argmin(same))
-            if c > best:
-                trim.append((c, ekey, man))
-        for c, ekey, man in sorted(trim, key=lambda t: -t[0]):
-            yield ekey, c, man
-        if first is not None:
-            yield first[1], first[0], first[2]
-            for n, ekey, man in exact:  # shorter ones, should the best be damaged
-                yield ekey, n, man
-
-    def _exact_prefixes(self, txn, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int):
-        """Stored entries that are exact prefixes of ``toks``, longest first:
-        a walk down the ``ends`` of each block from the deepest node."""
-        L = len(toks)
-        B = _keys.BLOCK
-        cur = txn.cursor(db=self._db[b"ends"])
-        for k in range(deepest, -1, -1):
-            nk = _keys.node_key(mid, hashes[k * B], k)
-            if not cur.set_key(nk):
-                continue
-            if cur.set_range_dup(nk, _keys.u32(L + 1)):
-                more = cur.prev_dup()
-            else:
-                more = cur.last_dup()
-            while more:
-                n, h, ekey = _keys.parse_end(bytes(cur.value()))
-                if n <= L and h == int(hashes[n]):
-                    man = self._safe_manifest(txn, ekey)
-                    if man is not None and len(man.tokens) == n and np.array_equal(man.tokens, toks[:n]):
-                        yield n, ekey, man
-                more = cur.prev_dup()
 
     def _safe_manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
         try:
@@ -698,29 +602,15 @@ class PromptStore(CapacityMixin):
         return VerifyReport(checked, tuple(problems), len(orphans), fix)
 
     def _rebuild_index(self, txn) -> None:
-        """Rebuild nodes and ends from the intact manifests."""
-        txn.drop(self._db[b"nodes"], delete=False)
-        txn.drop(self._db[b"ends"], delete=False)
+        """Rebuild the prefix index from the intact manifests."""
+        _index.clear(txn, self._db)
         for k, raw in list(txn.cursor(db=self._db[b"entries"])):
             k = bytes(k)
             try:
                 man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(k))
             except PromptStoreError:
                 continue
-            self._index_add(txn, k[:16], _keys.prefix_hashes(man.tokens), len(man.tokens), k, man.trimmable)
-
-
-def _load_node(raw) -> Dict[str, Any]:
-    if raw is None:
-        return {"count": 0, "reps": []}
-    try:
-        node = msgpack.unpackb(bytes(raw), raw=False)
-        if isinstance(node, dict) and isinstance(node.get("count"), int) and isinstance(node.get("reps"), list):
-            node["reps"] = [bytes(r) for r in node["reps"] if isinstance(r, bytes) and len(r) == 36]
-            return node
-    except Exception:
-        pass
-    return {"count": 1, "reps": []}  # damaged node: keep it existing, drop its hints
+            _index.add(txn, self._db, k[:16], man.tokens, _keys.prefix_hashes(man.tokens), k, man.trimmable)
 
 
 def _trim(cache: List[Any], n: int) -> None:

@@ -135,3 +135,40 @@ def test_replace_keeps_one_entry(store):
     assert store.lookup("m", t + [4]).matched == 50
     assert store.delete("m", t)
     assert store.lookup("m", t) is None
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_trimmed_prefix_matches_brute_force(store):
+    """Trimmable and recurrent entries mixed: lookup finds the true best usable prefix."""
+    rng = random.Random(11)
+    stems = [sample_tokens(rng.randrange(100, 400), seed=200 + i) for i in range(3)]
+    stored = []  # (tokens, trimmable)
+    for i in range(120):
+        stem = rng.choice(stems)
+        toks = stem[: rng.randrange(1, len(stem))] + sample_tokens(rng.randrange(0, 80), seed=3000 + i)
+        if any(toks == t for t, _ in stored):
+            continue
+        trimmable = rng.random() < 0.6
+        store.put("m", toks, _tiny(len(toks), trimmable=trimmable))
+        stored.append((toks, trimmable))
+    for q in range(150):
+        stem = rng.choice(stems)
+        query = stem[: rng.randrange(1, len(stem) + 1)] + sample_tokens(rng.randrange(0, 40), seed=7000 + q)
+        best = 0
+        for toks, trimmable in stored:
+            if len(toks) <= len(query) and query[: len(toks)] == toks:
+                best = max(best, len(toks))
+            elif trimmable:
+                best = max(best, _lcp(toks, query))
+        hit = store.lookup("m", query)
+        assert (hit.matched if hit else 0) == best, q
+        if hit:
+            assert isinstance(hit.cache[0], ArraysCache) or hit.cache[0].offset == best

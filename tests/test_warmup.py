@@ -99,7 +99,7 @@ def test_extended_conversation_hits(warmed, name):
         assert boundary == len(encode_prompt(tok, messages=rec["messages"][:2])) and boundary <= common
         hit = st.lookup(fp, q)
         assert hit is not None
-        if name == "llama":  # dense: a longer warmed entry trimmed down (see the xfail below for which)
+        if name == "llama":  # dense: a longer warmed entry trimmed down
             assert hit.trimmed > 0 and 0 < hit.matched <= common
         else:  # hybrid: the deepest checkpoint inside the common prefix, never trimmed
             assert hit.trimmed == 0
@@ -131,8 +131,6 @@ def test_readonly_open_of_an_existing_store(tmp_path):
         assert list(st.entries()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="store.lookup only considers the last 4 trimmable entries put under a 256-token "
-                   "index node (_MAX_REPS), so a longer common prefix in an older entry is missed; reported to the lead")
 def test_lookup_trims_the_longest_common_prefix(warmed):
     path, _ = warmed["llama", 4]
     model, tok, fp, _ = load_fixture("llama")

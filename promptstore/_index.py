@@ -1,0 +1,164 @@
+"""The prefix index: which stored entries can serve a query, best first.
+
+Three LMDB tables, all keyed under the model id:
+
+* ``nodes``: one record per ``BLOCK`` tokens of every entry (``k*BLOCK <= n``),
+  key model id + hash of ``tokens[:k*BLOCK]`` + k, value the number of entries
+  through it. Nodes are prefix-closed, so the deepest node a query reaches is
+  found by binary search over k.
+* ``ends`` (dupsort): under the node of an entry's last block, its length,
+  prefix hash and key, sorted by length: the longest stored exact prefix of a
+  query is one backwards cursor walk from the query's length.
+* ``segs`` (dupsort, trimmable entries only): under every node of an entry,
+  the entry's tokens of that block (big-endian u32, at most ``BLOCK``). Keys
+  sort like token sequences, so within the query's deepest block the entry
+  sharing the longest prefix with the query is a neighbour of the query's own
+  segment: a longer entry is trimmed down to the true common prefix.
+
+A query costs one vectorised hash pass, O(log(L/BLOCK)) node probes, a cursor
+walk and two neighbour reads: it grows with the query, never with the number
+of entries. Hashes only address; every candidate is checked token by token.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable, Iterator, Optional, Tuple
+
+import numpy as np
+
+from promptstore import _keys
+
+BLOCK = 64
+_COUNT = struct.Struct(">I")
+
+ManifestOf = Callable[[bytes], Optional[object]]  # entry key -> Manifest or None (damaged/missing)
+
+
+def _seg(tokens: np.ndarray, k: int) -> bytes:
+    return np.ascontiguousarray(tokens[k * BLOCK : (k + 1) * BLOCK], dtype=">u4").tobytes()
+
+
+def _count(raw) -> int:
+    if raw is None:
+        return 0
+    raw = bytes(raw)
+    return _COUNT.unpack(raw)[0] if len(raw) == 4 else 1  # damaged: keep the node, it only guides
+
+
+def add(txn, dbs, mid: bytes, tokens: np.ndarray, hashes: np.ndarray, ekey: bytes, trimmable: bool) -> None:
+    """Index an entry of ``tokens`` (``hashes = prefix_hashes(tokens)``)."""
+    n = len(tokens)
+    last = n // BLOCK
+    for k in range(last + 1):
+        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
+        txn.put(nk, _COUNT.pack(_count(txn.get(nk, db=dbs[b"nodes"])) + 1), db=dbs[b"nodes"])
+        if trimmable:
+            txn.put(nk + _seg(tokens, k), ekey, db=dbs[b"segs"], dupdata=True)
+    nk = _keys.node_key(mid, hashes[last * BLOCK], last)
+    txn.put(nk, _keys.end_value(n, hashes[n], ekey), db=dbs[b"ends"], dupdata=True)
+
+
+def remove(txn, dbs, mid: bytes, tokens: np.ndarray, hashes: np.ndarray, ekey: bytes) -> None:
+    """Undo :func:`add` for one entry."""
+    n = len(tokens)
+    last = n // BLOCK
+    for k in range(last + 1):
+        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
+        count = _count(txn.get(nk, db=dbs[b"nodes"])) - 1
+        if count <= 0:
+            txn.delete(nk, db=dbs[b"nodes"])
+        else:
+            txn.put(nk, _COUNT.pack(count), db=dbs[b"nodes"])
+        txn.delete(nk + _seg(tokens, k), ekey, db=dbs[b"segs"])
+    nk = _keys.node_key(mid, hashes[last * BLOCK], last)
+    txn.delete(nk, _keys.end_value(n, hashes[n], ekey), db=dbs[b"ends"])
+
+
+def clear(txn, dbs) -> None:
+    for name in (b"nodes", b"ends", b"segs"):
+        txn.drop(dbs[name], delete=False)
+
+
+def _deepest(txn, dbs, mid: bytes, hashes: np.ndarray, L: int) -> int:
+    """The deepest block k whose node exists for the query, or -1."""
+
+    def has(k: int) -> bool:
+        return txn.get(_keys.node_key(mid, hashes[k * BLOCK], k), db=dbs[b"nodes"]) is not None
+
+    if not has(0):
+        return -1
+    lo, hi = 0, L // BLOCK
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        if has(k):
+            lo = k
+        else:
+            hi = k - 1
+    return lo
+
+
+def exact_prefixes(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Iterator[Tuple[int, bytes, object]]:
+    """Stored entries that are exact prefixes of ``toks``, longest first."""
+    L = len(toks)
+    cur = txn.cursor(db=dbs[b"ends"])
+    for k in range(deepest, -1, -1):
+        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
+        if not cur.set_key(nk):
+            continue
+        more = cur.prev_dup() if cur.set_range_dup(nk, _keys.u32(L + 1)) else cur.last_dup()
+        while more:
+            n, h, ekey = _keys.parse_end(bytes(cur.value()))
+            if n <= L and h == int(hashes[n]):
+                man = manifest(ekey)
+                if man is not None and len(man.tokens) == n and np.array_equal(man.tokens, toks[:n]):
+                    yield n, ekey, man
+            more = cur.prev_dup()
+
+
+def best_trim(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Optional[Tuple[int, bytes, object]]:
+    """The trimmable entry sharing the longest prefix with ``toks``: ``(common, key, manifest)``."""
+    nk = _keys.node_key(mid, hashes[deepest * BLOCK], deepest)
+    query = nk + _seg(toks, deepest)
+    cur = txn.cursor(db=dbs[b"segs"])
+    neighbours = []
+    if cur.set_range(query):
+        neighbours.append(bytes(cur.value()) if bytes(cur.key()).startswith(nk) else None)
+        if cur.prev():
+            neighbours.append(bytes(cur.value()) if bytes(cur.key()).startswith(nk) else None)
+    elif cur.last():
+        neighbours.append(bytes(cur.value()) if bytes(cur.key()).startswith(nk) else None)
+    best = None
+    for ekey in neighbours:
+        if ekey is None:
+            continue
+        man = manifest(ekey)
+        if man is None or not man.trimmable:
+            continue
+        m = min(len(man.tokens), len(toks))
+        same = man.tokens[:m] == toks[:m]
+        common = m if same.all() else int(np.argmin(same))
+        if best is None or common > best[0]:
+            best = (common, ekey, man)
+    return best
+
+
+def candidates(txn, dbs, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[bytes, int, object]]:
+    """Usable entries best first: ``(entry key, tokens usable, manifest)``.
+
+    The longest exact prefix, unless a trimmable entry shares more with the
+    query; then the shorter exact prefixes, should the better ones be damaged.
+    """
+    hashes = _keys.prefix_hashes(toks)
+    deepest = _deepest(txn, dbs, mid, hashes, len(toks))
+    if deepest < 0:
+        return
+    exact = exact_prefixes(txn, dbs, mid, toks, hashes, deepest, manifest)
+    first = next(exact, None)
+    trim = best_trim(txn, dbs, mid, toks, hashes, deepest, manifest)
+    if trim is not None and trim[0] > (first[0] if first else 0):
+        yield trim[1], trim[0], trim[2]
+    if first is not None:
+        yield first[1], first[0], first[2]
+        for n, ekey, man in exact:
+            yield ekey, n, man
