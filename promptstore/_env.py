@@ -146,14 +146,20 @@ class Env:
             check_size(env, where)
             env.reader_check()
             db = {}
-            with env.begin(write=not self.readonly) as txn:
+            if self.readonly:
+                # py-lmdb ends a read transaction by aborting it, which would leave
+                # handles opened in it invalid: let open_db run its own transaction.
                 for dbname in DBS:
                     try:
-                        db[dbname] = env.open_db(dbname, txn=txn, create=not self.readonly, dupsort=dbname in _DUPSORT)
+                        db[dbname] = env.open_db(dbname, create=False, dupsort=dbname in _DUPSORT)
                     except lmdb.NotFoundError:
-                        if dbname in (b"pins", b"sizes"):  # read-only open of a store older than these tables
+                        if dbname in (b"pins", b"sizes"):  # a store older than these tables
                             continue
                         raise
+            else:
+                with env.begin(write=True) as txn:
+                    for dbname in DBS:
+                        db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in _DUPSORT)
         except lmdb.Error as err:
             env.close()
             raise translate(err, where, "open") from err

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import ROOT, load_fixture
-from promptstore import PromptStore, PromptStoreError, warmup
+from promptstore import PromptStore, warmup
 from promptstore.cli import main
 from promptstore.codecs import encode_layer
 from promptstore.prefill import encode_prompt, prefill
@@ -124,7 +124,6 @@ def test_dense_branch_trims_the_warmed_conversation(store):
     assert (hit.matched, hit.trimmed) == (common, len(warm) - common)
 
 
-@pytest.mark.xfail(strict=True, raises=PromptStoreError, reason="reported to the lead: PromptStore(path, readonly=True) of an existing store raises StoreError (mdb_get EINVAL)")
 def test_readonly_open_of_an_existing_store(tmp_path):
     PromptStore(tmp_path / "s").close()
     with PromptStore(tmp_path / "s", readonly=True) as st:
