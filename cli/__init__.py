@@ -41,6 +41,10 @@ COMMANDS = (
     ("import_", "import_"),
     ("bench", "bench"),
     ("warmup", "warmup"),
+    ("serve", "serve"),
+    ("gc", "gc"),
+    ("compact", "compact"),
+    ("salvage", "salvage"),
 )
 
 for _module, _attr in COMMANDS:

@@ -1,0 +1,41 @@
+"""``promptstore serve``: mlx-lm's HTTP server with a persistent prompt cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from promptstore.cli._common import command, emit_json, guarded, json_option, model_option
+
+
+@command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@model_option()
+@json_option
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_obj
+@guarded
+def serve(obj, model_dir, as_json, server_args):
+    """Run mlx_lm.server on MODEL with its prompt cache kept in the store.
+
+    Every cache the server makes is also written to the store in the
+    background; lookups fall back to the store, so a restarted server (or
+    `promptstore get --model MODEL`) finds the caches again. Further options
+    go to mlx_lm.server (e.g. --port 8080 --prompt-cache-size 10; see
+    `mlx_lm.server --help`). SIGTERM or Ctrl-C stops the server after the
+    pending writes are committed; with --json their counters are printed then.
+    """
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise click.BadParameter(f"{model_dir}: not an mlx-lm model directory (no config.json)", param_hint="--model")
+    from promptstore._serving_server import serve as run_server
+
+    stats = run_server(str(path), list(server_args), store=obj.store)
+    if as_json:
+        emit_json({"store": str(obj.store.path), "model": str(path), "cache": stats})
+    else:
+        click.echo(
+            f"stopped: {stats.get('written', 0)} caches written, {stats.get('store_hits', 0)} store hits, "
+            f"{stats.get('memory_hits', 0)} memory hits, {stats.get('pending', 0)} writes lost",
+            err=True,
+        )

@@ -1,0 +1,163 @@
+"""The background writer of PersistentPromptCache: puts happen off the serving thread.
+
+The serving thread hands over a *view* (fresh layer objects over evaluated,
+immutable arrays) and returns at once; one writer thread encodes and commits
+it. Nothing is copied before the writer runs: the only copy is the one into
+LMDB. Pending bytes are bounded: past the bound a new write is dropped (and
+counted) rather than making the serving thread wait for the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional
+
+import numpy as np
+
+from promptstore.errors import PromptStoreError
+
+__all__ = ["Writer", "Job"]
+
+log = logging.getLogger("promptstore")
+
+
+@dataclass
+class Job:
+    """One pending put."""
+
+    model: str
+    tokens: np.ndarray
+    cache: List[Any]
+    nbytes: int
+    meta: Dict[str, Any]
+
+
+class Writer:
+    """One daemon thread that runs ``store.put`` for submitted jobs, in order.
+
+    Args:
+        store: a PromptStore (thread-safe).
+        max_pending_bytes: the most array bytes that may wait for the disk;
+            a job that would exceed it is dropped (one job is always accepted
+            when nothing is pending).
+        on_error: called with a job that was dropped or failed to write.
+    """
+
+    def __init__(self, store, max_pending_bytes: int = 4 << 30, on_error: Optional[Callable[[Job], None]] = None):
+        self.store = store
+        self._on_error = on_error
+        self.max_pending_bytes = max_pending_bytes
+        self._jobs: Deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._pending_bytes = 0
+        self._busy = False
+        self._closed = False
+        self.written = 0
+        self.failed = 0
+        self.dropped = 0
+        self.skipped = 0
+        self.write_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="promptstore-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished."""
+        with self._cv:
+            return len(self._jobs) + (1 if self._busy else 0)
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; never blocks on the disk. False when it was dropped."""
+        with self._cv:
+            refuse = self._closed or (self._pending_bytes and self._pending_bytes + job.nbytes > self.max_pending_bytes)
+            if not refuse:
+                self._jobs.append(job)
+                self._pending_bytes += job.nbytes
+                self._cv.notify_all()
+                return True
+            self.dropped += 1
+            pending = self._pending_bytes
+        if not self._closed:
+            log.warning(
+                "promptstore: %d bytes already wait for the disk; not persisting a %d-token cache "
+                "(raise max_pending_bytes or use a faster disk)", pending, len(job.tokens))
+        self._failed(job)
+        return False
+
+    def _failed(self, job: Job) -> None:
+        if self._on_error is not None:
+            try:
+                self._on_error(job)
+            except Exception:
+                log.exception("promptstore: writer error callback failed")
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            import mlx.core as mx
+
+            # mlx streams are per thread; one left alive aborts the process at exit.
+            if hasattr(mx, "clear_streams"):
+                mx.clear_streams()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                self._write(job)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._pending_bytes -= job.nbytes
+                    self._cv.notify_all()
+
+    def _write(self, job: Job) -> None:
+        start = time.perf_counter()
+        try:
+            exists = getattr(self.store, "exists", None)
+            if exists is not None and exists(job.model, job.tokens):
+                self.skipped += 1
+                return
+            self.store.put(job.model, job.tokens, job.cache, meta=job.meta)
+            self.written += 1
+        except PromptStoreError as err:
+            self.failed += 1
+            log.warning("promptstore: could not persist a %d-token prompt cache: %s", len(job.tokens), err)
+            self._failed(job)
+        except Exception:  # a cache must never take the server down
+            self.failed += 1
+            log.exception("promptstore: unexpected error persisting a %d-token prompt cache", len(job.tokens))
+            self._failed(job)
+        finally:
+            self.write_seconds += time.perf_counter() - start
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every submitted job is written; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._jobs or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Write what is pending, then stop the thread. False when it timed out."""
+        done = self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        return done and not self._thread.is_alive()

@@ -1,0 +1,364 @@
+"""PersistentPromptCache: mlx-lm server's prompt cache, backed by the store.
+
+It implements the interface of ``mlx_lm.models.cache.LRUPromptCache``
+(``fetch_nearest_cache``, ``insert_cache``, ``trim_to``, ``nbytes``,
+``stats_by_type``, ``len``) with two tiers:
+
+* memory: an LRU of caches with a count and a byte budget, as mlx-lm's;
+* the store: every inserted cache is also put into a :class:`PromptStore`
+  by a background thread, so the serving loop never waits on the disk, and a
+  restarted server (or ``promptstore get``) finds it again.
+
+Lookups try memory, then the store; a store hit is promoted to memory.
+Entries of recurrent (hybrid) models match only at their exact length;
+trimmable entries may be trimmed to a shorter common prefix, as in mlx-lm.
+A fetch always leaves at least one token of the query to process (the
+model needs one to produce logits), so an exactly matching entry is used
+through the longest stored prefix of all but the last token.
+
+Model keys: mlx-lm passes ``(model_path, adapter_path, draft_path)``. It is
+mapped to ``fingerprint(model_path)``, the identity that ``promptstore
+put/get --model DIR`` use, so the server and the CLI share entries. A key
+that cannot be fingerprinted (an adapter, a hub id) is served from memory
+only, with a warning.
+
+Damaged or incompatible stored entries are logged and treated as misses;
+no error of the cache ever reaches the serving loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from promptstore import _keys
+from promptstore._serving_memory import MemEntry, MemoryTier, checkout, view
+from promptstore._serving_writer import Job, Writer
+from promptstore.errors import CoverageMismatch, PromptStoreError
+from promptstore.identity import fingerprint
+from promptstore.store import PromptStore
+
+__all__ = ["PersistentPromptCache", "model_identity"]
+
+log = logging.getLogger("promptstore")
+
+CACHE_TYPES = ("assistant", "user", "system")
+_KNOWN_MAX = 1 << 16
+
+
+def model_identity(key: Any) -> str:
+    """The store identity of an mlx-lm server model key.
+
+    Args:
+        key: ``(model_path, adapter_path, draft_path)`` as mlx-lm's server
+            passes it, a model directory, or an identity string
+            (``name@digest``, e.g. from :func:`fingerprint`).
+
+    Returns:
+        ``fingerprint(model_path)``; with a draft model,
+        ``fingerprint(model) + "+draft:" + fingerprint(draft)`` (the cache
+        then holds the draft model's layers too).
+
+    Raises:
+        InvalidInput: the key names an adapter, or a path that is not a
+            model directory (hub ids are not resolved).
+    """
+    from promptstore.errors import InvalidInput
+
+    if isinstance(key, tuple):
+        path, adapter, draft = (tuple(key) + (None, None, None))[:3]
+    else:
+        path, adapter, draft = key, None, None
+    if adapter is not None:
+        raise InvalidInput(f"adapter {adapter!r}: caches of adapted models are not persisted (memory only)")
+    if isinstance(path, str) and "@" in path and not os.path.isdir(path):
+        ident = path
+    elif isinstance(path, (str, os.PathLike)):
+        ident = fingerprint(path)
+    else:
+        raise InvalidInput(f"model key {key!r} is neither a model directory nor an identity string")
+    if draft is not None:
+        ident += "+draft:" + fingerprint(draft)
+    return ident
+
+
+class PersistentPromptCache:
+    """A drop-in for mlx-lm's ``LRUPromptCache`` that persists into a PromptStore.
+
+    Args:
+        store: a :class:`PromptStore` (left open by :meth:`close`), or a store
+            path, or None for the default store (both opened and closed here).
+        max_size: the most caches held in memory (mlx-lm's
+            ``--prompt-cache-size``).
+        max_bytes: the memory tier's byte budget (``--prompt-cache-bytes``).
+        model_id: maps a model key to a store identity; default
+            :func:`model_identity`. Return or raise PromptStoreError for
+            memory-only.
+        persist: False keeps inserts in memory (lookups still read the store).
+        max_pending_bytes: bytes that may wait for the disk; past it new
+            writes are dropped rather than making the server wait.
+
+    Call :meth:`close` (or use ``with``) to flush pending writes; an atexit
+    hook does it too for an orderly interpreter exit.
+    """
+
+    def __init__(
+        self,
+        store: Union[PromptStore, str, os.PathLike, None] = None,
+        *,
+        max_size: int = 10,
+        max_bytes: Optional[int] = None,
+        model_id: Optional[Callable[[Any], Optional[str]]] = None,
+        persist: bool = True,
+        max_pending_bytes: int = 4 << 30,
+    ):
+        self._owns_store = not isinstance(store, PromptStore)
+        self.store = store if isinstance(store, PromptStore) else PromptStore(store)
+        self._memory = MemoryTier(max_size, max_bytes if max_bytes is not None else 1 << 63)
+        self._model_id = model_id or model_identity
+        self._ids: Dict[Hashable, Optional[str]] = {}
+        self._known: "OrderedDict[bytes, None]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.persist = persist
+        self._writer = Writer(self.store, max_pending_bytes, on_error=self._forget)
+        self._counts = {"memory_hits": 0, "store_hits": 0, "misses": 0, "errors": 0}
+        self._closed = False
+        atexit.register(self.close)
+
+    # -- the LRUPromptCache interface -------------------------------------------
+
+    @property
+    def max_size(self) -> int:
+        return self._memory.max_size
+
+    @property
+    def max_bytes(self) -> int:
+        return self._memory.max_bytes
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the memory tier."""
+        return self._memory.nbytes
+
+    def stats_by_type(self) -> Dict[str, Dict[str, int]]:
+        """Memory-tier ``{cache_type: {"n_sequences", "n_bytes"}}``, as mlx-lm reports."""
+        return self._memory.stats_by_type(CACHE_TYPES)
+
+    def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
+        """Evict from memory until both limits hold (the store keeps its entries)."""
+        self._memory.trim_to(n_sequences, n_bytes)
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
+        """The cache of the longest usable prefix of ``tokens``, and the rest.
+
+        Returns:
+            ``(cache, rest)``: a cache the caller owns and may extend, covering
+            ``len(tokens) - len(rest)`` tokens, or ``(None, tokens)``. ``rest``
+            is never empty for a non-empty query.
+        """
+        toks = list(tokens)
+        try:
+            q = np.asarray(toks[:-1], dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return None, toks
+        if q.ndim != 1 or q.size == 0:
+            self._count("misses")
+            return None, toks
+        try:
+            return self._fetch(model, toks, q)
+        except Exception as err:  # a cache must never take the server down
+            self._count("errors")
+            if isinstance(err, PromptStoreError):
+                log.warning("promptstore: lookup failed, serving without a cache: %s", err)
+            else:
+                log.exception("promptstore: unexpected lookup error, serving without a cache")
+            return None, toks
+
+    def _fetch(self, model: Any, toks: List[int], q: np.ndarray) -> Tuple[Optional[List[Any]], List[int]]:
+        ident = self._identity(model)
+        mkey = ident if ident is not None else ("memory-only", model)
+        found = self._memory.best(mkey, q)
+        m = found[1] if found else 0
+        if ident is not None and m < len(q) and not self._closed and _peek(self.store, ident, q) > m:
+            hit = self.store.lookup(ident, q)
+            if hit is not None and hit.matched > m:
+                layers, nbytes, trimmable = view(hit.cache, hit.matched)
+                ctype = hit.info.meta.get("cache_type") if isinstance(hit.info.meta, dict) else None
+                entry = MemEntry(mkey, q[: hit.matched].copy(), layers, nbytes,
+                                 ctype if ctype in CACHE_TYPES else "assistant", trimmable, True)
+                self._memory.add(entry)
+                self._remember(ident, entry.tokens)
+                self._count("store_hits")
+                return checkout(layers, True), toks[hit.matched:]
+        if found is None:
+            self._count("misses")
+            return None, toks
+        entry, c = found
+        cache = checkout(entry.cache, entry.viewable)
+        if c < len(entry.tokens):
+            from mlx_lm.models.cache import trim_prompt_cache
+
+            trim_prompt_cache(cache, len(entry.tokens) - c)
+        self._count("memory_hits")
+        return cache, toks[c:]
+
+    def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *, cache_type: str = "assistant") -> None:
+        """Hold ``prompt_cache`` (covering exactly ``tokens``) and persist it in the background.
+
+        Returns as soon as the cache is held: the write happens on the writer
+        thread. A cache whose layers cover another number of tokens is
+        refused (logged); one whose layers have no codec is held in memory only.
+        """
+        try:
+            self._insert(model, tokens, prompt_cache, cache_type)
+        except Exception as err:
+            self._count("errors")
+            if isinstance(err, PromptStoreError):
+                log.warning("promptstore: not caching a prompt: %s", err)
+            else:
+                log.exception("promptstore: unexpected error caching a prompt")
+
+    def _insert(self, model: Any, tokens: List[int], prompt_cache: List[Any], cache_type: str) -> None:
+        toks = _keys.as_tokens(list(tokens)).astype(np.int64)
+        ident = self._identity(model)
+        mkey = ident if ident is not None else ("memory-only", model)
+        try:
+            layers, nbytes, trimmable = view(prompt_cache, len(toks))
+            viewable = True
+        except CoverageMismatch:
+            raise
+        except PromptStoreError as err:
+            from mlx_lm.models.cache import can_trim_prompt_cache
+
+            log.info("promptstore: holding a cache in memory only: %s", err)
+            layers, viewable = list(prompt_cache), False
+            nbytes = sum(int(getattr(c, "nbytes", 0)) for c in layers)
+            trimmable = can_trim_prompt_cache(layers)
+        self._memory.add(MemEntry(mkey, toks, layers, nbytes, cache_type, trimmable, viewable))
+        if ident is None or not viewable or not self.persist or self._closed or not self._remember(ident, toks):
+            return
+        meta = {"source": "promptstore.serving", "cache_type": cache_type}
+        self._writer.submit(Job(ident, toks, layers, nbytes, meta))
+
+    # -- persistence -------------------------------------------------------------
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every pending write is committed; False on timeout."""
+        return self._writer.flush(timeout)
+
+    @property
+    def pending(self) -> int:
+        """Writes not yet committed."""
+        return self._writer.pending
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Commit pending writes, stop the writer, close an owned store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if not self._writer.close(timeout):
+            log.warning("promptstore: %d prompt-cache writes were still pending at close", self._writer.pending)
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> "PersistentPromptCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: memory and store hits, misses, writes (done, pending, failed, dropped)."""
+        with self._lock:
+            counts = dict(self._counts)
+        w = self._writer
+        return {
+            **counts,
+            "memory_entries": len(self._memory),
+            "memory_bytes": self._memory.nbytes,
+            "written": w.written,
+            "pending": w.pending,
+            "write_failed": w.failed,
+            "write_dropped": w.dropped,
+            "write_skipped": w.skipped,
+            "write_seconds": round(w.write_seconds, 6),
+        }
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def _identity(self, model: Any) -> Optional[str]:
+        try:
+            return self._ids[model]
+        except KeyError:
+            pass
+        except TypeError:  # unhashable key
+            return None
+        try:
+            ident = self._model_id(model)
+        except (PromptStoreError, OSError) as err:
+            log.warning("promptstore: model %r is cached in memory only: %s", model, err)
+            ident = None
+        self._ids[model] = ident
+        return ident
+
+    @staticmethod
+    def _known_key(ident: str, toks: np.ndarray) -> bytes:
+        h = hashlib.blake2b(ident.encode(), digest_size=16)
+        h.update(np.ascontiguousarray(toks, dtype="<u4").tobytes())
+        return h.digest()
+
+    def _remember(self, ident: str, toks: np.ndarray) -> bool:
+        """Mark (ident, toks) as stored; False when it already was."""
+        k = self._known_key(ident, toks)
+        with self._lock:
+            if k in self._known:
+                self._known.move_to_end(k)
+                return False
+            self._known[k] = None
+            while len(self._known) > _KNOWN_MAX:
+                self._known.popitem(last=False)
+        return True
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self._known.pop(self._known_key(job.model, job.tokens), None)
+
+
+def _peek(store: PromptStore, model: str, query: np.ndarray) -> int:
+    """How many tokens of ``query`` the store's best candidate covers, reading
+    no arrays, so a fetch skips restoring an entry that cannot beat memory.
+
+    Uses the store's private index (the store has no public peek). Should that
+    change shape, it answers ``len(query)``: the fetch then always asks the
+    store, which costs time, never correctness.
+    """
+    try:
+        from promptstore import _index
+
+        toks = _keys.as_tokens(query)
+        mid = _keys.model_id(model)
+        with store.env.read() as txn:
+            manifest = lambda ekey: store._safe_manifest(txn, ekey)  # noqa: E731
+            for _ekey, matched, man in _index.candidates(txn, store._db, mid, toks, manifest):
+                if man.model == model:
+                    return matched
+        return 0
+    except (ImportError, AttributeError, TypeError):
+        log.debug("promptstore: the store index cannot be peeked; asking the store", exc_info=True)
+        return len(query)

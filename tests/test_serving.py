@@ -1,0 +1,296 @@
+"""PersistentPromptCache: the LRUPromptCache interface over memory and the store."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from conftest import MODELS, load_fixture, sample_tokens
+from promptstore import PromptStore, fingerprint
+from promptstore._serving_memory import view
+from promptstore.codecs import encode_layer
+from promptstore.serving import PersistentPromptCache, model_identity
+
+
+def prefill(model, tokens):
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(tokens)[None], cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    return cache, logits
+
+
+def states(cache):
+    """Every array of a cache as its codec stores it (covered positions only)."""
+    return [a for layer in cache for _, a in sorted(encode_layer(layer).arrays.items())]
+
+
+def same(a, b) -> bool:
+    sa, sb = states(a), states(b)
+    return len(sa) == len(sb) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(sa, sb))
+
+
+def next_logits(model, cache, token: int):
+    out = model(mx.array([[token]]), cache=cache)
+    mx.eval(out)
+    return out
+
+
+@pytest.fixture
+def llama():
+    return load_fixture("llama")
+
+
+@pytest.fixture
+def hybrid():
+    return load_fixture("qwen3_next")
+
+
+def key(path):
+    """The model key mlx-lm's server passes."""
+    return (str(path), None, None)
+
+
+def test_model_key_maps_to_the_cli_fingerprint(llama):
+    _, _, fp, path = llama
+    assert model_identity(key(path)) == fp == fingerprint(str(path))
+    assert model_identity(fp) == fp
+
+
+def test_insert_persists_and_a_restarted_cache_finds_it(store_path, llama):
+    model, _, fp, path = llama
+    toks = sample_tokens(40, seed=1)
+    cache, _ = prefill(model, toks)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks, cache, cache_type="user")
+        assert len(pc) == 1 and pc.nbytes > 0
+        assert pc.stats_by_type()["user"]["n_sequences"] == 1
+    with PromptStore(store_path) as s:
+        infos = list(s.entries())
+        assert [(i.model, i.n_tokens, i.meta["cache_type"]) for i in infos] == [(fp, 40, "user")]
+    query = toks + sample_tokens(5, seed=2)
+    with PersistentPromptCache(store_path) as pc:
+        got, rest = pc.fetch_nearest_cache(key(path), query)
+        assert rest == query[40:]
+        assert same(got, cache)
+        again, rest2 = pc.fetch_nearest_cache(key(path), query)  # promoted: now from memory
+        assert rest2 == rest and same(again, cache)
+        st = pc.stats()
+        assert (st["store_hits"], st["memory_hits"], st["written"]) == (1, 1, 0)
+    # Continuing from the fetched cache is bit-identical to continuing from the original.
+    assert mx.array_equal(next_logits(model, got, query[40]), next_logits(model, cache, query[40])).item()
+
+
+def test_a_fetch_always_leaves_a_token_and_trims_dense_caches(store_path, llama):
+    model, _, _, path = llama
+    toks = sample_tokens(30, seed=3)
+    cache, _ = prefill(model, toks)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks, cache)
+        got, rest = pc.fetch_nearest_cache(key(path), toks)  # exact: keep the last token to process
+        assert rest == toks[-1:] and got[0].offset == 29
+        short = toks[:20] + [7, 8, 9]  # diverges after 20: a trimmed view of the longer cache
+        got, rest = pc.fetch_nearest_cache(key(path), short)
+        assert rest == [7, 8, 9] and all(c.offset == 20 for c in got)
+        ref, _ = prefill(model, toks[:20])
+        assert mx.array_equal(next_logits(model, got, 7), next_logits(model, ref, 7)).item()
+    with PersistentPromptCache(store_path) as pc:  # the same from the store
+        got, rest = pc.fetch_nearest_cache(key(path), short)
+        assert rest == [7, 8, 9] and all(c.offset == 20 for c in got)
+
+
+def test_hybrid_entries_match_only_at_exact_coverage(store_path, hybrid):
+    model, _, _, path = hybrid
+    toks = sample_tokens(30, seed=4)
+    cache, _ = prefill(model, toks)
+    expect = next_logits(model, prefill(model, toks)[0], 11)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks, cache)
+    for fresh in (False, True):
+        with PersistentPromptCache(store_path) as pc:
+            if not fresh:
+                pc.insert_cache(key(path), toks, cache)
+            assert pc.fetch_nearest_cache(key(path), toks[:20] + [5, 6]) == (None, toks[:20] + [5, 6])
+            assert pc.fetch_nearest_cache(key(path), toks)[0] is None  # would need a trim
+            got, rest = pc.fetch_nearest_cache(key(path), toks + [11])
+            assert rest == [11] and same(got, cache)
+            assert mx.array_equal(next_logits(model, got, 11), expect).item()
+
+
+def test_in_place_writes_after_insert_or_fetch_never_reach_held_or_stored_caches(store_path, llama):
+    """mlx-lm's KVCache writes into its buffer in place; the cache must not see it."""
+    model, _, fp, path = llama
+    toks = sample_tokens(24, seed=5)
+    cache, _ = prefill(model, toks)
+    expect = [a + 0 for a in states(cache)]  # copies, taken before any write
+    mx.eval(expect)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks, cache)
+        # The server keeps using its object: trim 4 and write 4 other tokens in place.
+        for c in cache:
+            c.trim(4)
+        assert cache[0].keys.shape[2] > 24  # room in the buffer: update_and_fetch slice-assigns
+        next_logits(model, cache, 1)
+        next_logits(model, cache, 2)
+        next_logits(model, cache, 3)
+        next_logits(model, cache, 4)
+        assert not mx.array_equal(states(cache)[0], expect[0]).item()
+        got, _ = pc.fetch_nearest_cache(key(path), toks + [9])
+        assert all(mx.array_equal(a, b).item() for a, b in zip(states(got), expect))
+        # A fetched cache written in place leaves the held one alone.
+        for c in got:
+            c.trim(6)
+        for t in (1, 2, 3):
+            next_logits(model, got, t)
+        again, _ = pc.fetch_nearest_cache(key(path), toks + [9])
+        assert all(mx.array_equal(a, b).item() for a, b in zip(states(again), expect))
+    with PromptStore(store_path) as s:
+        stored = s.get(fp, toks)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(states(stored), expect))
+
+
+LOCKER = r"""
+import sys, lmdb
+env = lmdb.open(sys.argv[1], max_dbs=32, map_size=1 << 36)
+txn = env.begin(write=True)
+print("locked", flush=True)
+sys.stdin.readline()
+txn.abort()
+"""
+
+
+def test_insert_never_waits_for_the_disk_and_close_flushes(store_path, llama):
+    model, _, fp, path = llama
+    toks = sample_tokens(64, seed=6)
+    cache, _ = prefill(model, toks)
+    pc = PersistentPromptCache(store_path)
+    # Another process holds the LMDB write lock: every commit here must wait for it.
+    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(store_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        t0 = time.perf_counter()
+        pc.insert_cache(key(path), toks, cache)
+        took = time.perf_counter() - t0
+        assert took < 0.5, f"insert_cache took {took:.3f}s while the disk was locked"
+        time.sleep(1.0)
+        assert pc.pending == 1 and pc.stats()["written"] == 0  # the writer really is blocked
+        assert pc.flush(timeout=0.2) is False
+        got, rest = pc.fetch_nearest_cache(key(path), toks + [3])  # memory serves meanwhile
+        assert rest == [3] and same(got, cache)
+        # Release the lock a moment after close() starts: close must wait, then commit.
+        import threading
+
+        threading.Timer(0.5, lambda: (locker.stdin.write("\n"), locker.stdin.flush())).start()
+        t0 = time.perf_counter()
+        pc.close()
+        assert time.perf_counter() - t0 >= 0.3
+    finally:
+        if locker.poll() is None:
+            locker.stdin.write("\n")
+            locker.stdin.flush()
+        locker.wait(10)
+    assert pc.stats()["written"] == 1 and pc.pending == 0
+    with PromptStore(store_path) as s:
+        assert [i.n_tokens for i in s.entries()] == [64]
+        assert same(s.get(fp, toks), cache)
+
+
+def test_damaged_entries_are_logged_misses(store_path, llama, caplog):
+    model, _, fp, path = llama
+    toks = sample_tokens(40, seed=7)
+    cache, _ = prefill(model, toks)
+    with PromptStore(store_path) as s:
+        s.put(fp, toks, cache)
+
+        def flip(txn):
+            cur = txn.cursor(db=s._db[b"chunks"])
+            assert cur.first()
+            k, v = bytes(cur.key()), bytearray(cur.value())
+            v[len(v) // 2] ^= 0xFF
+            txn.put(k, bytes(v), db=s._db[b"chunks"])
+
+        s.env.write(flip)
+    caplog.set_level(logging.WARNING, logger="promptstore")
+    with PersistentPromptCache(store_path) as pc:
+        got, rest = pc.fetch_nearest_cache(key(path), toks + [5])
+        assert got is None and rest == toks + [5]
+    assert any("skipping entry" in r.getMessage() for r in caplog.records)
+
+
+def test_a_closed_store_is_a_logged_miss_not_a_crash(store_path, llama, caplog):
+    model, _, _, path = llama
+    toks = sample_tokens(20, seed=8)
+    cache, _ = prefill(model, toks)
+    s = PromptStore(store_path)
+    pc = PersistentPromptCache(s)
+    pc.insert_cache(key(path), toks, cache)
+    pc.flush()
+    pc.trim_to(n_sequences=0)
+    s.close()
+    caplog.set_level(logging.WARNING, logger="promptstore")
+    assert pc.fetch_nearest_cache(key(path), toks + [1]) == (None, toks + [1])
+    assert pc.stats()["errors"] == 1
+    pc.insert_cache(key(path), toks + [1], prefill(model, toks + [1])[0])  # write fails: logged
+    pc.close()
+    assert pc.stats()["write_failed"] == 1
+    assert any("closed" in r.getMessage() for r in caplog.records)
+
+
+def test_coverage_mismatch_is_refused(store_path, llama, caplog):
+    model, _, _, path = llama
+    toks = sample_tokens(20, seed=9)
+    cache, _ = prefill(model, toks)
+    caplog.set_level(logging.WARNING, logger="promptstore")
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks[:-1], cache)  # the caller's accounting is off by one
+        assert len(pc) == 0 and pc.pending == 0
+    assert any("covers 20 tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_unpersistable_keys_are_served_from_memory(store_path, llama):
+    model, _, _, path = llama
+    toks = sample_tokens(20, seed=10)
+    cache, _ = prefill(model, toks)
+    adapted = (str(path), "some/adapter", None)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(adapted, toks, cache)
+        got, rest = pc.fetch_nearest_cache(adapted, toks + [1])
+        assert rest == [1] and same(got, cache)
+        assert pc.fetch_nearest_cache(key(path), toks + [1])[0] is None  # another identity
+    with PromptStore(store_path) as s:
+        assert list(s.entries()) == []
+
+
+def test_memory_budget_and_lru(store_path, llama):
+    model, _, _, path = llama
+    caches = [(t, prefill(model, t)[0]) for t in (sample_tokens(16, seed=20 + i) for i in range(4))]
+    one = view(caches[0][1])[1]
+    with PersistentPromptCache(store_path, max_size=10, max_bytes=2 * one + one // 2, persist=False) as pc:
+        for t, c in caches:
+            pc.insert_cache(key(path), t, c)
+            assert pc.nbytes <= pc.max_bytes
+        assert len(pc) == 2
+        assert pc.fetch_nearest_cache(key(path), caches[0][0] + [1])[0] is None  # evicted (and not persisted)
+        assert pc.fetch_nearest_cache(key(path), caches[3][0] + [1])[1] == [1]
+        pc.trim_to(n_sequences=1)
+        assert len(pc) == 1 and pc.fetch_nearest_cache(key(path), caches[3][0] + [1])[1] == [1]
+        pc.trim_to(n_bytes=0)
+        assert len(pc) == 0 and pc.nbytes == 0
+    with PromptStore(store_path) as s:
+        assert list(s.entries()) == []
+
+
+def test_a_longer_trimmable_insert_replaces_its_prefixes_in_memory(store_path, llama):
+    model, _, _, path = llama
+    toks = sample_tokens(30, seed=30)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks[:10], prefill(model, toks[:10])[0], cache_type="system")
+        pc.insert_cache(key(path), toks, prefill(model, toks)[0])
+        assert len(pc) == 1 and pc.stats_by_type()["system"]["n_sequences"] == 0
+    with PromptStore(store_path) as s:  # the store keeps both
+        assert sorted(i.n_tokens for i in s.entries()) == [10, 30]
