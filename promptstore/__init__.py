@@ -29,6 +29,7 @@ from promptstore.speculative import SpeculativeResult, SpeculativeStats, specula
 from promptstore.ssm import SSMCache, adapt, unadapt
 from promptstore.ssm import make_prompt_cache as make_ssm_prompt_cache
 from promptstore.store import EntryInfo, Hit, PromptStore, VerifyReport, default_path
+from promptstore.serving import PersistentPromptCache, model_identity
 from promptstore._budget import GcReport
 from promptstore._salvage import SalvageReport, salvage
 from promptstore.warmup import LineError, WarmupSummary, warmup
@@ -53,6 +54,8 @@ __all__ = [
     "speculative_generate_step",
     "SpeculativeResult",
     "SpeculativeStats",
+    "PersistentPromptCache",
+    "model_identity",
     "warmup",
     "WarmupSummary",
     "LineError",

@@ -125,8 +125,7 @@ class Writer:
     def _write(self, job: Job) -> None:
         start = time.perf_counter()
         try:
-            exists = getattr(self.store, "exists", None)
-            if exists is not None and exists(job.model, job.tokens):
+            if self.store.exists(job.model, job.tokens):  # e.g. re-inserted after a restart
                 self.skipped += 1
                 return
             self.store.put(job.model, job.tokens, job.cache, meta=job.meta)
