@@ -18,7 +18,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from promptstore.serving import PersistentPromptCache
 from promptstore.store import PromptStore

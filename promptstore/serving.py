@@ -34,8 +34,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from pathlib import Path
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
 
 import numpy as np
 

@@ -8,10 +8,11 @@ import sys
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import MODELS, load_fixture, sample_tokens
+from conftest import load_fixture, sample_tokens
 from promptstore import PromptStore, fingerprint
 from promptstore._serving_memory import view
 from promptstore.codecs import encode_layer
@@ -294,3 +295,20 @@ def test_a_longer_trimmable_insert_replaces_its_prefixes_in_memory(store_path, l
         assert len(pc) == 1 and pc.stats_by_type()["system"]["n_sequences"] == 0
     with PromptStore(store_path) as s:  # the store keeps both
         assert sorted(i.n_tokens for i in s.entries()) == [10, 30]
+
+
+def test_a_memory_hit_restores_nothing_from_the_store(store_path, llama):
+    """The index is peeked first: an entry that cannot beat memory is not read."""
+    from promptstore.serving import _peek
+
+    model, _, fp, path = llama
+    toks = sample_tokens(40, seed=40)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks, prefill(model, toks)[0])
+        pc.flush()
+        assert _peek(pc.store, fp, np.asarray(toks + [1])) == 40  # the private index still answers
+        before = pc.store.counters()
+        got, rest = pc.fetch_nearest_cache(key(path), toks + [1])
+        assert rest == [1]
+        assert pc.store.counters() == before  # no store lookup ran
+        assert (pc.stats()["memory_hits"], pc.stats()["store_hits"]) == (1, 0)
