@@ -72,36 +72,33 @@ def render(res: Dict[str, Any]) -> str:
     add("")
     add("## Throughput (GB/s; ratio = promptstore / reference)")
     add("")
-    add("| cache | bytes | ps put | ps get fresh | ps get reuse | mlx-lm save+fsync | mlx-lm load fresh | mlx-lm load reuse | file write+fsync | file read | memcpy fresh | memcpy reuse |")
-    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for t in res["throughput"]:
-        b = t["bytes"]
-        cols = [t[k] for k in ("put", "get_fresh", "get_reuse", "mlx_save", "mlx_load_fresh", "mlx_load_reuse", "file_write", "file_read", "memcpy_fresh", "memcpy_reuse")]
-        add(f"| {t['tokens']} tokens | {_size(b)} | " + " | ".join(f"{gbps(b, s):.2f}" for s in cols) + " |")
-    add("")
-    add("| cache | put / file write | put / mlx-lm save | get / mlx-lm load (fresh) | get / mlx-lm load (reuse) | get / file read | get / memcpy (fresh) | get / memcpy (reuse) | bytes written per put / N | bit-exact |")
-    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for t in res["throughput"]:
-        add(
-            f"| {t['tokens']} tokens | {t['file_write'] / t['put']:.2f} | {t['mlx_save'] / t['put']:.2f} | "
-            f"{t['mlx_load_fresh'] / t['get_fresh']:.2f} | {t['mlx_load_reuse'] / t['get_reuse']:.2f} | "
-            f"{t['file_read'] / t['get_fresh']:.2f} | {t['memcpy_fresh'] / t['get_fresh']:.2f} | "
-            f"{t['memcpy_reuse'] / t['get_reuse']:.2f} | {t['put_written_per_put'] / t['bytes']:.2f} | {t['bit_exact']} |"
-        )
-    add("")
+    lines.extend(_throughput(res["throughput"], gbps))
     add("*fresh*: the mlx buffer cache is emptied (`mx.clear_cache()`) before each get/load, and memcpy "
-        "goes into a newly allocated buffer, so page faults on the destination are paid. *reuse*: the "
-        "buffers of the previous repeat are reused (mlx buffer cache; the same numpy buffer). "
-        "mlx-lm's save is followed by an fsync of the file so that both sides are durable. "
-        "Bytes written per put include the untimed delete before it (/proc/self/io).")
+        "goes into a newly allocated buffer, so page faults on the destination are paid. *reuse*: "
+        "`mx.set_cache_limit` leaves room for the previous repeat's buffers (the mlx buffer cache) and "
+        "memcpy reuses one numpy buffer. Each put writes a new entry (the file grows, as the reference "
+        "writes a new file); mlx-lm's save is followed by an fsync of the file so both sides are durable. "
+        "The operations run interleaved, one of each per round, in a fresh process per cache size. "
+        "Bytes written per put: /proc/self/io write_bytes of one put (payload, manifest, index, LMDB pages).")
     add("")
+    if res.get("throughput_hugetlb"):
+        add("### The same, with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`")
+        add("")
+        lines.extend(_throughput(res["throughput_hugetlb"], gbps))
+        add("glibc then backs large mallocs (mlx's buffers, LMDB's dirty pages) with transparent huge "
+            "pages, so a fresh destination costs one fault per 2 MiB instead of per 4 KiB.")
+        add("")
     add("## Peak memory of a get (fresh process)")
     add("")
-    add("| entry | N | RSS peak delta / N | private (RssAnon) peak / N | mlx allocator peak / N | get s |")
-    add("| --- | ---: | ---: | ---: | ---: | ---: |")
+    add("| entry | N | RSS peak delta / N | private (RssAnon) peak / N | LMDB pages left mapped / N | mlx allocator peak / N | get s |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mm in res["memory"]:
         n = mm["bytes"]
-        add(f"| {mm['tokens']} tokens | {_size(n)} | {mm['rss_delta'] / n:.2f} | {mm['anon_delta'] / n:.2f} | {mm['mlx_peak'] / n:.2f} | {mm['get_s']:.3f} |")
+        add(f"| {mm['tokens']} tokens | {_size(n)} | {mm['rss_delta'] / n:.2f} | {mm['anon_delta'] / n:.2f} | "
+            f"{mm.get('file_delta', 0) / n:.2f} | {mm['mlx_peak'] / n:.2f} | {mm['get_s']:.3f} |")
+    add("")
+    add("RSS: `VmHWM` after the get minus `VmRSS` before it, in a fresh process that first restored a "
+        "1-token entry (so code and imports do not count). RssAnon is sampled every millisecond.")
     add("")
     add("## Lookup latency (ms, median)")
     add("")
@@ -130,3 +127,28 @@ def render(res: Dict[str, Any]) -> str:
             f"{_size(p['entry_bytes'])} | {p['same_first_token']} |")
     add("")
     return "\n".join(lines)
+
+
+def _throughput(rows: List[Dict[str, Any]], gbps) -> List[str]:
+    out = [
+        "| cache | bytes | ps put | ps get fresh | ps get reuse | mlx-lm save+fsync | mlx-lm load fresh | mlx-lm load reuse | file write+fsync | file read | memcpy fresh | memcpy reuse |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    keys = ("put", "get_fresh", "get_reuse", "mlx_save", "mlx_load_fresh", "mlx_load_reuse", "file_write", "file_read", "memcpy_fresh", "memcpy_reuse")
+    for t in rows:
+        b = t["bytes"]
+        out.append(f"| {t['tokens']} tokens | {_size(b)} | " + " | ".join(f"{gbps(b, t[k]):.2f}" for k in keys) + " |")
+    out += [
+        "",
+        "| cache | put / file write | put / mlx-lm save | get / mlx-lm load (fresh) | get / mlx-lm load (reuse) | get / file read | get / memcpy (fresh) | get / memcpy (reuse) | bytes written per put / N | bit-exact |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for t in rows:
+        out.append(
+            f"| {t['tokens']} tokens | {t['file_write'] / t['put']:.2f} | {t['mlx_save'] / t['put']:.2f} | "
+            f"{t['mlx_load_fresh'] / t['get_fresh']:.2f} | {t['mlx_load_reuse'] / t['get_reuse']:.2f} | "
+            f"{t['file_read'] / t['get_fresh']:.2f} | {t['memcpy_fresh'] / t['get_fresh']:.2f} | "
+            f"{t['memcpy_reuse'] / t['get_reuse']:.2f} | {t['put_written_per_put'] / t['bytes']:.2f} | {t['bit_exact']} |"
+        )
+    out.append("")
+    return out

@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -60,7 +61,11 @@ def _payload_views(cache) -> List[memoryview]:
 def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, seed: int = 0) -> Dict[str, Any]:
     """put/get against mlx-lm save/load, a plain file write+fsync/read and memcpy.
 
-    Leaves the entry in ``workdir/store`` for the peak-memory case.
+    The operations run interleaved, one of each per round, so that a noisy
+    machine (shared cores, shared disk) slows every side alike. Each put
+    writes a new entry (the store file grows, as the reference writes a new
+    file). Leaves the entry of ``tokens`` in ``workdir/store`` for the
+    peak-memory case.
     """
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
@@ -69,105 +74,131 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
     views = _payload_views(cache)
     nbytes = sum(v.nbytes for v in views)
     out: Dict[str, Any] = {"tokens": n_tokens, "bytes": nbytes, "repeats": repeats}
-
-    # -- promptstore: durable put (sync commit), then get ------------------------
-    store = PromptStore(workdir / "store")
-    try:
-        store.put(MODEL, tokens[:1], data.tiny_kv(1))  # for the peak-memory child's warm-up
-        io0 = write_bytes()
-        store.put(MODEL, tokens, cache)  # first put: grows the file (untimed)
-        out["put_first_written"] = write_bytes() - io0
-        io0 = write_bytes()
-        out["put"] = median_time(lambda: store.put(MODEL, tokens, cache), repeats, lambda: store.delete(MODEL, tokens))
-        out["put_written_per_put"] = (write_bytes() - io0) // max(1, repeats)  # includes the deletes
-        res: List[Any] = []
-
-        def get() -> None:
-            res.append(store.get(MODEL, tokens))
-
-        def release(clear: bool) -> None:
-            res.clear()
-            gc.collect()
-            if clear:
-                mx.clear_cache()
-
-        get()  # warm the page cache and the mmap
-        out["get_fresh"] = median_time(get, repeats, lambda: release(True))
-        release(False)
-        get()
-        out["get_reuse"] = median_time(get, repeats, lambda: release(False))
-        restored = res[-1]
-        out["bit_exact"] = all(
-            mx.array_equal(a, b).item()
-            for x, y in zip(cache, restored)
-            for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True)
-        )
-        release(True)
-    finally:
-        store.close()
-    np.save(workdir / f"tokens-{n_tokens}.npy", tokens)
-
-    # -- mlx-lm save_prompt_cache (+ fsync, to be as durable) / load_prompt_cache --
     st = workdir / "cache.safetensors"
-
-    def mlx_save() -> None:
-        save_prompt_cache(str(st), cache)
-        fd = os.open(st, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    out["mlx_save"] = median_time(mlx_save, repeats, lambda: st.unlink(missing_ok=True))
-    out["mlx_file_bytes"] = st.stat().st_size
-
-    def mlx_load() -> None:
-        loaded = load_prompt_cache(str(st))
-        mx.eval([a for layer in loaded for a in data._layer_arrays(layer)])
-        res.append(loaded)
-
-    mlx_load()
-    out["mlx_load_fresh"] = median_time(mlx_load, repeats, lambda: release(True))
-    release(False)
-    mlx_load()
-    out["mlx_load_reuse"] = median_time(mlx_load, repeats, lambda: release(False))
-    release(True)
-    st.unlink(missing_ok=True)
-
-    # -- a plain file of the same bytes: write+fsync, read into a fresh buffer ----
     raw = workdir / "payload.bin"
-
-    def file_write() -> None:
-        with open(raw, "wb", buffering=0) as f:
-            for v in views:
-                f.write(v)
-            os.fsync(f.fileno())
-
-    out["file_write"] = median_time(file_write, repeats, lambda: raw.unlink(missing_ok=True))
-
-    def file_read() -> None:
-        buf = np.empty(nbytes, dtype=np.uint8)
-        with open(raw, "rb", buffering=0) as f:
-            f.readinto(memoryview(buf))
-
-    file_read()
-    out["file_read"] = median_time(file_read, repeats)
-    raw.unlink(missing_ok=True)
-
-    # -- memcpy of the same bytes -------------------------------------------------
     src = np.empty(nbytes, dtype=np.uint8)
     pos = 0
     for v in views:
         src[pos : pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
         pos += v.nbytes
-    out["memcpy_fresh"] = median_time(lambda: np.copyto(np.empty_like(src), src), repeats)
     dst = np.empty_like(src)
-    np.copyto(dst, src)
-    out["memcpy_reuse"] = median_time(lambda: np.copyto(dst, src), repeats)
+    res: List[Any] = []
+    store = PromptStore(workdir / "store")
+    try:
+        store.put(MODEL, tokens[:1], data.tiny_kv(1))  # for the peak-memory child's warm-up
+        store.put(MODEL, tokens, cache)  # the entry every get reads (untimed first put)
+        rounds = iter(range(1, 1 << 30))
+        written: List[int] = []
+
+        def put() -> None:
+            variant = tokens.copy()
+            variant[-1] = (int(variant[-1]) + next(rounds)) % 150_000 + 3
+            io0 = write_bytes()
+            store.put(MODEL, variant, cache)
+            written.append(write_bytes() - io0)
+
+        def get() -> None:
+            res.append(store.get(MODEL, tokens))
+
+        def mlx_save() -> None:
+            save_prompt_cache(str(st), cache)
+            fd = os.open(st, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        def mlx_load() -> None:
+            loaded = load_prompt_cache(str(st))
+            mx.eval([a for layer in loaded for a in data._layer_arrays(layer)])
+            res.append(loaded)
+
+        def file_write() -> None:
+            with open(raw, "wb", buffering=0) as f:
+                for v in views:
+                    f.write(v)
+                os.fsync(f.fileno())
+
+        def file_read() -> None:
+            buf = np.empty(nbytes, dtype=np.uint8)
+            with open(raw, "rb", buffering=0) as f:
+                f.readinto(memoryview(buf))
+
+        def release(clear: bool) -> Callable[[], None]:
+            def fn() -> None:
+                res.clear()
+                gc.collect()
+                if clear:
+                    mx.clear_cache()
+
+            return fn
+
+        def unlink(path: Path) -> Callable[[], None]:
+            return lambda: path.unlink(missing_ok=True)
+
+        fresh = {
+            "put": (None, put),
+            "file_write": (unlink(raw), file_write),
+            "mlx_save": (unlink(st), mlx_save),
+            "get_fresh": (release(True), get),
+            "mlx_load_fresh": (release(True), mlx_load),
+            "file_read": (release(True), file_read),
+            "memcpy_fresh": (release(True), lambda: np.copyto(np.empty_like(src), src)),
+        }
+        out.update(interleaved(fresh, repeats))
+        out["put_written_per_put"] = int(statistics.median(written))
+        release(True)()
+        # With the mlx buffer cache: room for the buffers of the previous repeat.
+        limit = mx.set_cache_limit(max(mx.get_cache_memory(), 3 * nbytes))
+        try:
+            reuse = {
+                "get_reuse": (release(False), get),
+                "mlx_load_reuse": (release(False), mlx_load),
+                "memcpy_reuse": (release(False), lambda: np.copyto(dst, src)),
+            }
+            out.update(interleaved(reuse, repeats, warmup=1))
+        finally:
+            mx.set_cache_limit(limit)
+        get()
+        out["bit_exact"] = all(
+            mx.array_equal(a, b).item()
+            for x, y in zip(cache, res[-1])
+            for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True)
+        )
+    finally:
+        store.close()
+        res.clear()
+        st.unlink(missing_ok=True)
+        raw.unlink(missing_ok=True)
+    np.save(workdir / f"tokens-{n_tokens}.npy", tokens)
     del src, dst, views, cache
     gc.collect()
     mx.clear_cache()
     return out
+
+
+def interleaved(ops: Dict[str, Any], repeats: int, warmup: int = 0) -> Dict[str, float]:
+    """Median time of each ``(before, fn)`` in ``ops``, run one of each per round."""
+    times: Dict[str, List[float]] = {name: [] for name in ops}
+    for r in range(warmup + repeats):
+        for name, (before, fn) in ops.items():
+            if before is not None:
+                before()
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def throughput_child(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """:func:`throughput` in a fresh process (optionally with extra environment)."""
+    cmd = [sys.executable, "-m", "promptstore._bench_child", str(workdir), json.dumps(asdict(shape)), str(n_tokens), str(repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        raise RuntimeError(f"throughput child failed: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout)
 
 
 def peak_memory(workdir: Path, n_tokens: int) -> Dict[str, Any]:

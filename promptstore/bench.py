@@ -41,6 +41,20 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_HYBRID = ROOT / "fixtures" / "models" / "qwen3_next"
 
 
+def _hugetlb_tunable() -> Optional[str]:
+    """glibc >= 2.35 on Linux can back large mallocs (mlx buffers, LMDB dirty
+    pages) with transparent huge pages: the bench measures that setting too."""
+    lib, version = platform.libc_ver()
+    try:
+        ok = platform.system() == "Linux" and lib == "glibc" and tuple(int(x) for x in version.split(".")[:2]) >= (2, 35)
+    except ValueError:
+        ok = False
+    return "glibc.malloc.hugetlb=1" if ok else None
+
+
+HUGETLB = _hugetlb_tunable()
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one bench run measures."""
@@ -90,12 +104,20 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
     try:
         out["throughput"] = []
         out["memory"] = []
+        out["throughput_hugetlb"] = []
         for n in plan.sizes:
+            work = tmp / f"t{n}"
+            work.mkdir()
             progress(f"throughput: {n}-token cache")
-            out["throughput"].append(cases.throughput(tmp / f"t{n}", plan.shape, n, plan.repeats))
+            out["throughput"].append(cases.throughput_child(work, plan.shape, n, plan.repeats))
             progress(f"peak memory: get of the {n}-token entry")
-            out["memory"].append(cases.peak_memory(tmp / f"t{n}", n))
-            shutil.rmtree(tmp / f"t{n}", ignore_errors=True)
+            out["memory"].append(cases.peak_memory(work, n))
+            shutil.rmtree(work, ignore_errors=True)
+            if HUGETLB:
+                work.mkdir()
+                progress(f"throughput: {n}-token cache, GLIBC_TUNABLES={HUGETLB}")
+                out["throughput_hugetlb"].append(cases.throughput_child(work, plan.shape, n, plan.repeats, {"GLIBC_TUNABLES": HUGETLB}))
+                shutil.rmtree(work, ignore_errors=True)
         progress("lookup latency vs store size")
         out["lookup"] = cases.lookup(tmp, plan.lookup_sizes, plan.lookup_repeats)
         progress("row save from a batch of 8")
