@@ -17,7 +17,7 @@ import lmdb
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from promptstore import _budget, _entry, _index, _keys
+from promptstore import _budget, _entry, _index, _keys, _pages
 from promptstore._capacity import CapacityMixin
 from promptstore._env import DEFAULT_MAP_SIZE, Env
 from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
@@ -353,7 +353,8 @@ class PromptStore(CapacityMixin):
     def _restore(self, txn, ekey: bytes, man: _entry.Manifest) -> List[Any]:
         where = f"{self.path} entry {man.entry_id}"
         chunks = self._db[b"chunks"]
-        arrays = _entry.read_arrays(man, lambda i: txn.get(ekey + _keys.u32(i), db=chunks), where)
+        release = _pages.releaser(str(self.path / "data.mdb"), man.payload)
+        arrays = _entry.read_arrays(man, lambda i: txn.get(ekey + _keys.u32(i), db=chunks), where, release)
         return _entry.decode_layers(man, arrays, where)
 
     def _info(self, txn, ekey: bytes, man: _entry.Manifest) -> EntryInfo:

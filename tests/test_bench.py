@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from promptstore import PromptStore
+from promptstore import PromptStore, _entry, _pages
 from promptstore import _bench_data as data
 from promptstore.bench import targets
 from promptstore.cli import main
@@ -138,3 +138,90 @@ def test_unsynced_lmdb_is_setup_only(tmp_path):
     with PromptStore(tmp_path / "s") as store:  # what was put without fsync is a normal entry
         hit = store.lookup("m@1", [1, 2, 3, 4])
         assert hit is not None and hit.matched == 3 and hit.trimmed == 0
+
+
+# -- the restore hot path the bench drove (read_arrays, page release) -----------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.fixture
+def big_entry(tmp_path):
+    """A 4-layer hybrid entry above the page-release threshold, with arrays that
+    lie inside one chunk and arrays that span chunks."""
+    from promptstore import _keys
+
+    cache = data.hybrid_cache(data.QUICK, 1024, seed=5)
+    tokens = list(range(1, 1025))
+    store = PromptStore(tmp_path / "s")
+    info = store.put("m@1", tokens, cache)
+    assert info.nbytes >= _pages.MIN_PAYLOAD
+    yield store, cache, tokens, _keys.entry_key(_keys.model_id("m@1"), _keys.as_tokens(tokens))
+    store.close()
+
+
+def test_restore_is_bit_exact_across_chunk_boundaries(big_entry):
+    store, cache, tokens, _ = big_entry
+    man = _manifest(store, tokens)
+    recs = [r for layer in man.layers for r in layer.arrays]
+    assert any(_entry._spans(r) for r in recs) and any(not _entry._spans(r) for r in recs)
+    for _ in range(2):  # the second restore reads pages the first one released
+        restored = store.get("m@1", tokens)
+        for x, y in zip(cache, restored):
+            for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def _manifest(store, tokens):
+    from promptstore import _keys
+
+    with store.env.read() as txn:
+        return store._manifest(txn, _keys.entry_key(_keys.model_id("m@1"), _keys.as_tokens(tokens)))
+
+
+@pytest.mark.parametrize("spanning", [True, False])
+def test_a_flipped_byte_is_caught_in_either_copy_path(big_entry, spanning):
+    from promptstore import CorruptEntry, _keys
+
+    store, _, tokens, ekey = big_entry
+    man = _manifest(store, tokens)
+    rec = next(r for layer in man.layers for r in layer.arrays if _entry._spans(r) == spanning and r.nbytes > 4096)
+    at = rec.offset + rec.nbytes - 7  # in the last chunk a spanning array reaches
+    ci, pos = divmod(at, _entry.CHUNK)
+    key = ekey + _keys.u32(ci)
+
+    def flip(txn):
+        raw = bytearray(txn.get(key, db=store._db[b"chunks"]))
+        raw[pos] ^= 0x10
+        txn.put(key, bytes(raw), db=store._db[b"chunks"])
+
+    store.env.write(flip)
+    with pytest.raises(CorruptEntry, match=rf"checksum mismatch in layer \d+ array {rec.name!r}"):
+        store.get("m@1", tokens)
+
+
+def test_restore_leaves_no_lmdb_pages_mapped(big_entry):
+    store, _, tokens, _ = big_entry
+    n = _manifest(store, tokens).payload
+    before = _status("RssFile")
+    restored = store.get("m@1", tokens)
+    assert restored is not None
+    # Without the release the whole payload (n bytes) would stay mapped.
+    assert _status("RssFile") - before < n // 4
+
+
+def test_release_ignores_memory_outside_the_map(big_entry, tmp_path):
+    store = big_entry[0]
+    release = _pages.releaser(str(store.path / "data.mdb"), 1 << 30)
+    assert release is not None
+    private = bytearray(b"\x5a" * (1 << 20))
+    release(memoryview(private))  # DONTNEED here would zero private memory
+    assert private == bytearray(b"\x5a" * (1 << 20))
+    assert _pages.releaser(str(store.path / "data.mdb"), 1024) is None  # small payloads: not worth it
+    assert _pages.releaser(str(tmp_path / "not-mapped.mdb"), 1 << 30) is None
