@@ -189,7 +189,7 @@ class PersistentPromptCache:
         mkey = ident if ident is not None else ("memory-only", model)
         found = self._memory.best(mkey, q)
         m = found[1] if found else 0
-        if ident is not None and m < len(q) and not self._closed and _peek(self.store, ident, q) > m:
+        if ident is not None and m < len(q) and not self._closed and self.store.peek(ident, q) > m:
             hit = self.store.lookup(ident, q)
             if hit is not None and hit.matched > m:
                 layers, nbytes, trimmable = view(hit.cache, hit.matched)
@@ -337,27 +337,3 @@ class PersistentPromptCache:
     def _forget(self, job: Job) -> None:
         with self._lock:
             self._known.pop(self._known_key(job.model, job.tokens), None)
-
-
-def _peek(store: PromptStore, model: str, query: np.ndarray) -> int:
-    """How many tokens of ``query`` the store's best candidate covers, reading
-    no arrays, so a fetch skips restoring an entry that cannot beat memory.
-
-    Uses the store's private index (the store has no public peek). Should that
-    change shape, it answers ``len(query)``: the fetch then always asks the
-    store, which costs time, never correctness.
-    """
-    try:
-        from promptstore import _index
-
-        toks = _keys.as_tokens(query)
-        mid = _keys.model_id(model)
-        with store.env.read() as txn:
-            manifest = lambda ekey: store._safe_manifest(txn, ekey)  # noqa: E731
-            for _ekey, matched, man in _index.candidates(txn, store._db, mid, toks, manifest):
-                if man.model == model:
-                    return matched
-        return 0
-    except (ImportError, AttributeError, TypeError):
-        log.debug("promptstore: the store index cannot be peeked; asking the store", exc_info=True)
-        return len(query)

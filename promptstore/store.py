@@ -420,6 +420,20 @@ class PromptStore(CapacityMixin):
         if len(man.tokens) != n or not np.array_equal(man.tokens, toks[:n]):
             raise CorruptEntry(f"{self.path} entry {man.entry_id}: stored tokens do not match its key")
 
+    def peek(self, model: str, tokens: Sequence[int]) -> int:
+        """How many tokens of ``tokens`` :meth:`lookup` would cover, reading
+        manifests only (no arrays), so a caller can skip a restore that would
+        not beat what it holds. 0 when nothing matches.
+        """
+        mid = _keys.model_id(model)
+        toks = _keys.as_tokens(tokens)
+        with self.env.read() as txn:
+            manifest = lambda ekey: self._safe_manifest(txn, ekey)  # noqa: E731
+            for _ekey, matched, man in _index.candidates(txn, self._db, mid, toks, manifest):
+                if man.model == model:
+                    return matched
+        return 0
+
     def lookup(self, model: str, tokens: Sequence[int]) -> Optional[Hit]:
         """The longest usable stored prefix of ``tokens``, restored.
 

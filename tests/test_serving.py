@@ -299,14 +299,12 @@ def test_a_longer_trimmable_insert_replaces_its_prefixes_in_memory(store_path, l
 
 def test_a_memory_hit_restores_nothing_from_the_store(store_path, llama):
     """The index is peeked first: an entry that cannot beat memory is not read."""
-    from promptstore.serving import _peek
-
     model, _, fp, path = llama
     toks = sample_tokens(40, seed=40)
     with PersistentPromptCache(store_path) as pc:
         pc.insert_cache(key(path), toks, prefill(model, toks)[0])
         pc.flush()
-        assert _peek(pc.store, fp, np.asarray(toks + [1])) == 40  # the private index still answers
+        assert pc.store.peek(fp, toks + [1]) == 40
         before = pc.store.counters()
         got, rest = pc.fetch_nearest_cache(key(path), toks + [1])
         assert rest == [1]
