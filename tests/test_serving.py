@@ -8,7 +8,6 @@ import sys
 import time
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
