@@ -340,6 +340,8 @@ def read_arrays(
         expect = min(CHUNK, man.payload - ci * CHUNK)
         if len(buf) != expect:
             raise CorruptEntry(f"{where}: payload chunk {ci} has {len(buf)} bytes, expected {expect}")
+        if release is not None:
+            release(buf)  # reading a value's header can map in all of its pages (large folios)
         bufs.append(buf)
     srcs = [np.frombuffer(buf, dtype=np.uint8) for buf in bufs]
     recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
@@ -351,13 +353,13 @@ def read_arrays(
     if spanning:
         mx.async_eval(list(spanning.values()))
     flat: List[mx.array] = []
-    done = 0  # chunks released so far
+    copied = _Copied(bufs, release)
     for i, (li, rec) in enumerate(recs):
         if i in spanning:
             dest = spanning.pop(i)
             mx.eval(dest)
             host = np.asarray(dest)
-            digest = _copy_pieces(srcs, rec.offset, rec.nbytes, host)
+            digest = _copy_pieces(srcs, rec.offset, rec.nbytes, host, copied)
         else:
             ci, pos = divmod(rec.offset, CHUNK)
             piece = srcs[ci][pos : pos + rec.nbytes] if rec.nbytes else np.zeros(0, dtype=np.uint8)
@@ -369,14 +371,8 @@ def read_arrays(
                 "run `promptstore verify --fix` to remove damaged entries"
             )
         flat.append(dest.view(DTYPES[rec.dtype]).reshape(rec.shape))
-        if release is not None:
-            end = (rec.offset + rec.nbytes) // CHUNK  # chunks before this one are fully copied
-            for ci in range(done, min(end, len(bufs))):
-                release(bufs[ci])
-            done = max(done, end)
-    if release is not None:
-        for ci in range(done, len(bufs)):
-            release(bufs[ci])
+        copied.upto(rec.offset + rec.nbytes)
+    copied.upto(man.payload + CHUNK)
     out: List[Dict[str, mx.array]] = []
     i = 0
     for layer in man.layers:
@@ -401,7 +397,23 @@ def _spans(rec: ArrayRecord) -> bool:
     return rec.nbytes > 0 and rec.offset // CHUNK != (rec.offset + rec.nbytes - 1) // CHUNK
 
 
-def _copy_pieces(srcs: List[np.ndarray], offset: int, nbytes: int, host: np.ndarray) -> int:
+class _Copied:
+    """Releases each chunk as soon as the copy has passed its end, so at
+    most one chunk of source pages is mapped at a time."""
+
+    def __init__(self, bufs: List[Any], release: Optional[Callable[[Any], None]]):
+        self.bufs, self.release, self.done = bufs, release, 0
+
+    def upto(self, pos: int) -> None:
+        if self.release is None:
+            return
+        end = min(pos // CHUNK, len(self.bufs))
+        while self.done < end:
+            self.release(self.bufs[self.done])
+            self.done += 1
+
+
+def _copy_pieces(srcs: List[np.ndarray], offset: int, nbytes: int, host: np.ndarray, copied: _Copied) -> int:
     """Copy payload bytes ``[offset, offset + nbytes)`` into ``host``; return their xxh3-64."""
     hasher = xxhash.xxh3_64()
     apos = 0
@@ -412,6 +424,7 @@ def _copy_pieces(srcs: List[np.ndarray], offset: int, nbytes: int, host: np.ndar
         hasher.update(piece)
         host[apos : apos + take] = piece
         apos += take
+        copied.upto(offset + apos)
     return hasher.intdigest()
 
 
