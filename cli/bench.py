@@ -37,6 +37,9 @@ def bench(quick, out_file, scratch, as_json):
         click.echo(f"bench: {line}", err=True)
 
     results = run(quick=quick, workdir=Path(scratch) if scratch else None, progress=progress)
+    results["command"] = "promptstore bench" + "".join(
+        f" {flag}" for flag, on in (("--quick", quick), ("--json", as_json)) if on
+    ) + "".join(f" {flag} {value}" for flag, value in (("--out", out_file), ("--dir", scratch)) if value)
     text = render(results)
     if out_file:
         Path(out_file).write_text(text)
@@ -60,6 +63,9 @@ def render(res: Dict[str, Any]) -> str:
     m = res["machine"]
     add(f"# promptstore bench ({mode} run)")
     add("")
+    if res.get("command"):
+        add(f"`{res['command']}`")
+        add("")
     add(f"{m['platform']}, {m['processor']}, mlx {m['mlx']} on {m['device']}; {res['seconds']:.0f} s. "
         "Times are medians; reads are from a warm page cache.")
     add("")

@@ -32,8 +32,10 @@ def quick(tmp_path_factory):
 
 
 def test_quick_run_measures_every_case(quick):
-    res, _, _ = quick
+    res, md, tmp = quick
     assert res["quick"] is True
+    assert res["command"] == f"promptstore bench --quick --json --out {tmp / 'bench.md'} --dir {tmp}"
+    assert f"`{res['command']}`" in md
     assert [t["tokens"] for t in res["throughput"]] == [256, 1024]
     for t in res["throughput"]:
         assert t["bit_exact"] is True
