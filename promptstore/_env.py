@@ -334,6 +334,10 @@ class Env:
                         os.fsync(dfd)
                     finally:
                         os.close(dfd)
+                    # Still under the old generation's write lock: only generations up to
+                    # the one just copied are removed; a newer one (a concurrent compaction
+                    # that ran after ours) is never touched.
+                    self._remove_old(n)
                 finally:
                     wtxn.abort()
             except lmdb.Error as err:
@@ -346,19 +350,19 @@ class Env:
                 self._release(gen)
             self._follow(force=True)
             self._release(self._gen)
-            self._remove_old(new_name)
             return before, after
 
-    def _remove_old(self, live: str) -> None:
-        """Unlink every generation but ``live`` (mappings elsewhere stay valid)."""
-        if live != ".":
-            for name in ("data.mdb", "lock.mdb"):
-                try:
-                    os.unlink(self.path / name)
-                except FileNotFoundError:
-                    pass
+    def _remove_old(self, upto: int) -> None:
+        """Unlink the top-level generation and ``gen-1`` .. ``gen-<upto>`` (mappings
+        other processes hold stay valid until they follow ``CURRENT``)."""
+        for name in ("data.mdb", "lock.mdb"):
+            try:
+                os.unlink(self.path / name)
+            except FileNotFoundError:
+                pass
         for d in self.path.glob("gen-*"):
-            if d.name != live and d.is_dir():
+            suffix = d.name[4:]
+            if suffix.isdigit() and int(suffix) <= upto and d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
 
     def close(self) -> None:

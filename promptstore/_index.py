@@ -99,48 +99,89 @@ def _deepest(txn, dbs, mid: bytes, hashes: np.ndarray, L: int) -> int:
 
 
 def exact_prefixes(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Iterator[Tuple[int, bytes, object]]:
-    """Stored entries that are exact prefixes of ``toks``, longest first."""
+    """Stored entries that are exact prefixes of ``toks``, longest first.
+
+    Per block, the ends stored under the query's node are either walked (few
+    of them) or probed at each length the query could match there (at most
+    ``BLOCK`` seeks): the cost is bounded by the query, not by how many
+    entries share the prefix.
+    """
     L = len(toks)
     cur = txn.cursor(db=dbs[b"ends"])
     for k in range(deepest, -1, -1):
         nk = _keys.node_key(mid, hashes[k * BLOCK], k)
         if not cur.set_key(nk):
             continue
-        more = cur.prev_dup() if cur.set_range_dup(nk, _keys.u32(L + 1)) else cur.last_dup()
-        while more:
-            n, h, ekey = _keys.parse_end(bytes(cur.value()))
-            if n <= L and h == int(hashes[n]):
-                man = manifest(ekey)
-                if man is not None and len(man.tokens) == n and np.array_equal(man.tokens, toks[:n]):
-                    yield n, ekey, man
-            more = cur.prev_dup()
+        top = min(L, (k + 1) * BLOCK - 1)
+        if cur.count() <= top - k * BLOCK + 1:
+            found = _walk_ends(cur, nk, hashes, L)
+        else:
+            found = _probe_ends(cur, nk, hashes, k * BLOCK, top)
+        for n, ekey in found:
+            man = manifest(ekey)
+            if man is not None and len(man.tokens) == n and np.array_equal(man.tokens, toks[:n]):
+                yield n, ekey, man
+
+
+def _walk_ends(cur, nk: bytes, hashes: np.ndarray, L: int) -> Iterator[Tuple[int, bytes]]:
+    """Every end under ``nk`` whose length and prefix hash fit the query, longest first."""
+    more = cur.prev_dup() if cur.set_range_dup(nk, _keys.u32(L + 1)) else cur.last_dup()
+    while more:
+        n, h, ekey = _keys.parse_end(bytes(cur.value()))
+        if n <= L and h == int(hashes[n]):
+            yield n, ekey
+        more = cur.prev_dup()
+
+
+def _probe_ends(cur, nk: bytes, hashes: np.ndarray, lo: int, hi: int) -> Iterator[Tuple[int, bytes]]:
+    """The ends under ``nk`` at exactly ``(n, hashes[n])`` for n from ``hi`` down to ``lo``."""
+    for n in range(hi, lo - 1, -1):
+        probe = _keys.u32(n) + _keys.u64(hashes[n])
+        ok = cur.set_range_dup(nk, probe)
+        while ok:
+            value = bytes(cur.value())
+            if value[:12] != probe:
+                break
+            yield n, value[12:]
+            ok = cur.next_dup()
 
 
 def best_trim(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Optional[Tuple[int, bytes, object]]:
-    """The trimmable entry sharing the longest prefix with ``toks``: ``(common, key, manifest)``."""
-    nk = _keys.node_key(mid, hashes[deepest * BLOCK], deepest)
-    query = nk + _seg(toks, deepest)
+    """The trimmable entry sharing the longest prefix with ``toks``: ``(common, key, manifest)``.
+
+    From the deepest node down, the first node that holds trimmable segments
+    has the answer among the two neighbours of the query's own segment: every
+    trimmable entry through a deeper node would have been found there.
+    """
     cur = txn.cursor(db=dbs[b"segs"])
-    neighbours = []
+    for k in range(deepest, -1, -1):
+        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
+        found = False
+        best = None
+        for ekey in _neighbours(cur, nk, nk + _seg(toks, k)):
+            found = True
+            man = manifest(ekey)
+            if man is None or not man.trimmable:
+                continue
+            m = min(len(man.tokens), len(toks))
+            same = man.tokens[:m] == toks[:m]
+            common = m if same.all() else int(np.argmin(same))
+            if best is None or common > best[0]:
+                best = (common, ekey, man)
+        if found:
+            return best
+    return None
+
+
+def _neighbours(cur, nk: bytes, query: bytes) -> Iterator[bytes]:
+    """Entry keys of the segments under ``nk`` just after and just before ``query``."""
     if cur.set_range(query):
-        neighbours.append(bytes(cur.value()) if bytes(cur.key()).startswith(nk) else None)
-        if cur.prev():
-            neighbours.append(bytes(cur.value()) if bytes(cur.key()).startswith(nk) else None)
-    elif cur.last():
-        neighbours.append(bytes(cur.value()) if bytes(cur.key()).startswith(nk) else None)
-    best = None
-    for ekey in neighbours:
-        if ekey is None:
-            continue
-        man = manifest(ekey)
-        if man is None or not man.trimmable:
-            continue
-        m = min(len(man.tokens), len(toks))
-        same = man.tokens[:m] == toks[:m]
-        common = m if same.all() else int(np.argmin(same))
-        if best is None or common > best[0]:
-            best = (common, ekey, man)
-    return best
+        if bytes(cur.key()).startswith(nk):
+            yield bytes(cur.value())
+        if cur.prev() and bytes(cur.key()).startswith(nk):
+            yield bytes(cur.value())
+    elif cur.last() and bytes(cur.key()).startswith(nk):
+        yield bytes(cur.value())
 
 
 def candidates(txn, dbs, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[bytes, int, object]]:

@@ -117,3 +117,7 @@ def parse_end(value: bytes):
 
 def u32(n: int) -> bytes:
     return _U32.pack(n)
+
+
+def u64(n: int) -> bytes:
+    return _U64.pack(int(n))

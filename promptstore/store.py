@@ -319,10 +319,19 @@ class PromptStore(CapacityMixin):
         Raises:
             EntryNotFound: no entry, or the prefix is ambiguous.
         """
-        info = self.info(key)
-        with self.env.read() as txn:
-            ekey = bytes(txn.get(info.id.encode(), db=self._db[b"ids"]))
-        self._delete_keys([ekey])
+        def write(txn) -> Tuple[EntryInfo, bytes]:  # resolve and delete in one transaction
+            ekey = self._resolve(txn, key)
+            man = self._manifest(txn, ekey)
+            if man is None:
+                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
+            info = self._info(txn, ekey, man)
+            self._unlink(txn, ekey, txn.get(ekey, db=self._db[b"entries"]))
+            txn.delete(ekey, db=self._db[b"pins"])
+            return info, ekey
+
+        info, ekey = self.env.write(write)
+        with self._lock:
+            self._touched.pop(ekey, None)
         return info
 
     def _delete_keys(self, ekeys: Sequence[bytes]) -> int:
@@ -353,7 +362,7 @@ class PromptStore(CapacityMixin):
     def _restore(self, txn, ekey: bytes, man: _entry.Manifest) -> List[Any]:
         where = f"{self.path} entry {man.entry_id}"
         chunks = self._db[b"chunks"]
-        release = _pages.releaser(str(self.path / "data.mdb"), man.payload)
+        release = _pages.releaser(str(self.env.dir / "data.mdb"), man.payload)
         arrays = _entry.read_arrays(man, lambda i: txn.get(ekey + _keys.u32(i), db=chunks), where, release)
         return _entry.decode_layers(man, arrays, where)
 
@@ -387,7 +396,7 @@ class PromptStore(CapacityMixin):
                 man = self._manifest(txn, ekey)
             except PromptStoreError:
                 return False
-        return man is not None and man.model == model and np.array_equal(man.tokens, toks)
+        return man is not None and man.intact is not False and man.model == model and np.array_equal(man.tokens, toks)
 
     def get(self, model: str, tokens: Sequence[int]) -> Optional[List[Any]]:
         """The stored cache of exactly ``tokens``, or None.
@@ -578,39 +587,45 @@ class PromptStore(CapacityMixin):
             A VerifyReport listing each damaged entry and orphaned chunks.
         """
         problems: List[Tuple[str, str]] = []
-        bad: List[bytes] = []
-        live = set()
-        checked = 0
+        bad: Dict[bytes, Optional[bytes]] = {}  # entry key -> the manifest bytes found damaged
+        # One snapshot for the entry list and the chunk list: a put commits its
+        # chunks and manifest together, so only true orphans differ between them.
         with self.env.read() as txn:
             keys = [bytes(k) for k in txn.cursor(db=self._db[b"entries"]).iternext(keys=True, values=False)]
+            known = set(keys)
+            orphans = [
+                bytes(k)
+                for k in txn.cursor(db=self._db[b"chunks"]).iternext(keys=True, values=False)
+                if bytes(k[:36]) not in known
+            ]
+        checked = 0
         for ekey in keys:
-            checked += 1
             eid = _keys.entry_id(ekey)
+            raw = None
             try:
-                with self.env.read(buffers=True) as txn:
-                    man = self._manifest(txn, ekey)
-                    if man is None:
-                        continue
-                    live.add(ekey)
+                with self.env.read(buffers=True) as txn:  # one short transaction per entry
+                    found = txn.get(ekey, db=self._db[b"entries"])
+                    if found is None:
+                        continue  # deleted since the snapshot
+                    raw = bytes(found)
+                    checked += 1
+                    man = _entry.unpack_manifest(raw, f"{self.path} entry {eid}")
                     if man.entry_id != eid or _keys.model_id(man.model) != ekey[:16] or _keys.entry_key(ekey[:16], man.tokens) != ekey:
                         raise CorruptEntry(f"entry {eid}: manifest does not match its key")
                     self._restore(txn, ekey, man)
             except PromptStoreError as err:
                 problems.append((eid, str(err)))
-                bad.append(ekey)
-        orphans: List[bytes] = []
-        with self.env.read() as txn:
-            cur = txn.cursor(db=self._db[b"chunks"])
-            for k in cur.iternext(keys=True, values=False):
-                k = bytes(k)
-                if k[:36] not in live and k[:36] not in bad:
-                    orphans.append(k)
+                bad[ekey] = raw
         if fix and (bad or orphans):
             def write(txn) -> None:
-                for ekey in bad:
-                    self._unlink(txn, ekey, None)
+                entries = self._db[b"entries"]
+                for ekey, raw in bad.items():
+                    now = txn.get(ekey, db=entries)
+                    if now is not None and bytes(now) == raw:  # not replaced by a put since
+                        self._unlink(txn, ekey, None)
                 for k in orphans:
-                    txn.delete(k, db=self._db[b"chunks"])
+                    if txn.get(k[:36], db=entries) is None:  # still no entry owns them
+                        txn.delete(k, db=self._db[b"chunks"])
                 self._rebuild_index(txn)
 
             self.env.write(write)

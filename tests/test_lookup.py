@@ -172,3 +172,24 @@ def test_trimmed_prefix_matches_brute_force(store):
         assert (hit.matched if hit else 0) == best, q
         if hit:
             assert isinstance(hit.cache[0], ArraysCache) or hit.cache[0].offset == best
+
+
+def test_longer_recurrent_entry_does_not_hide_a_trimmable_one(store):
+    base = sample_tokens(400, seed=12)
+    store.put("m", base[:260], _tiny(260, trimmable=False))  # reaches deeper, cannot trim
+    store.put("m", base[:140] + [3] * 10, _tiny(150))  # shares 140 tokens, can trim
+    query = base[:200]
+    assert store.peek("m", query) == 140
+    hit = store.lookup("m", query)
+    assert (hit.matched, hit.trimmed) == (140, 10)
+
+
+def test_many_short_entries_under_one_node(store):
+    """Hundreds of entries ending in the query's first block: probed by length, all found right."""
+    base = sample_tokens(60, seed=13)
+    for i in range(300):
+        store.put("m", [base[0], 600 + i] + base[2:40], _tiny(40, trimmable=False))
+    store.put("m", base[:30], _tiny(30, trimmable=False))
+    assert store.lookup("m", base).matched == 30
+    assert store.lookup("m", [base[0], 600 + 299] + base[2:50]).matched == 40
+    assert store.lookup("m", [base[0], 1000] + base[2:50]) is None
