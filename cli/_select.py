@@ -26,7 +26,10 @@ def parse_duration(text: str) -> timedelta:
     parts = _DURATION.findall(s)
     if not parts or _DURATION.sub("", s).strip():
         raise click.BadParameter(f"{text!r} is not a duration like 7d, 12h, 30m, 45s, 2w or 1d12h", param_hint="--older-than")
-    return timedelta(seconds=sum(int(n) * _UNITS[u] for n, u in parts))
+    try:
+        return timedelta(seconds=sum(int(n) * _UNITS[u] for n, u in parts))
+    except OverflowError as err:
+        raise click.BadParameter(f"{text!r} is longer than any age an entry can have", param_hint="--older-than") from err
 
 
 def key_length(ids: Iterable[str]) -> int:

@@ -186,6 +186,7 @@ def test_rm_usage_errors_exit_2(cli):
     err = cli("rm", "abc", "--model", LLAMA, "--json", code=2)
     assert js(err) == {"error": "UsageError", "message": "give KEYs, or --model/--older-than, not both", "exit_code": 2}
     assert "not a duration" in js(cli("rm", "--older-than", "soon", "--json", code=2))["message"]
+    assert "longer than any age" in js(cli("rm", "--older-than", "99999999999d", "--yes", "--json", code=2))["message"]
 
 
 def test_parse_duration():
