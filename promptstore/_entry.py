@@ -136,26 +136,30 @@ def iter_chunks(views: Sequence[memoryview], total: int) -> Iterator[memoryview]
     """The payload cut into ``CHUNK``-byte values.
 
     A chunk that lies inside one array is that array's memory itself; only
-    chunks that straddle arrays are assembled (one copy of those bytes).
+    chunks that straddle arrays are assembled (one copy of those bytes), into
+    one scratch buffer reused for every such chunk: an assembled chunk is
+    valid only until the next one is requested (``txn.put`` copies it at once).
     """
-    pending: List[memoryview] = []
+    scratch: Optional[bytearray] = None
     fill = 0
     for view in views:
         pos = 0
         while pos < view.nbytes:
             take = min(CHUNK - fill, view.nbytes - pos)
-            piece = view[pos : pos + take]
-            pos += take
             if fill == 0 and take == CHUNK:
-                yield piece
+                yield view[pos : pos + take]
+                pos += take
                 continue
-            pending.append(piece)
+            if scratch is None:
+                scratch = bytearray(CHUNK)
+            scratch[fill : fill + take] = view[pos : pos + take]
+            pos += take
             fill += take
             if fill == CHUNK:
-                yield memoryview(b"".join(pending))
-                pending, fill = [], 0
+                yield memoryview(scratch)
+                fill = 0
     if fill:
-        yield memoryview(b"".join(pending))
+        yield memoryview(scratch)[:fill]
 
 
 def n_chunks(payload: int) -> int:

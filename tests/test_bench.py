@@ -19,6 +19,7 @@ from promptstore import _bench_data as data
 from promptstore.bench import targets
 from promptstore.cli import main
 from promptstore.cli.bench import render
+from _bits import bits_equal
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_hybrid_cache_has_real_shapes_and_dtypes():
     kv = cache[3]
     assert kv.keys.shape == (1, 2, 256, 256) and kv.keys.dtype == mx.bfloat16 and kv.offset == 256
     assert data.cache_nbytes(cache) == data.QUICK.nbytes(256)
-    assert not mx.array_equal(kv.keys, kv.values).item()  # random, not zeros
+    assert not bits_equal(kv.keys, kv.values).item()  # random, not zeros
 
 
 def test_lookup_corpus_queries_extend_their_targets():
@@ -177,7 +178,7 @@ def test_restore_is_bit_exact_across_chunk_boundaries(big_entry):
         restored = store.get("m@1", tokens)
         for x, y in zip(cache, restored):
             for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True):
-                assert a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+                assert a.dtype == b.dtype and a.shape == b.shape and bits_equal(a, b).item()
 
 
 def _manifest(store, tokens):
@@ -249,3 +250,15 @@ def test_peak_rss_of_a_restore_stays_under_one_and_a_quarter_n(tmp_path):
     assert restored is not None
     # Without releasing the LMDB pages the peak was ~2 N (copy + mapped payload).
     assert peak <= 1.25 * n, (peak, n)
+
+
+@pytest.mark.parametrize("sizes", [[3], [_entry.CHUNK], [_entry.CHUNK + 1, 5], [1000, _entry.CHUNK - 1000, 7], [2 * _entry.CHUNK + 3, _entry.CHUNK // 3, _entry.CHUNK]])
+def test_iter_chunks_cuts_the_payload_exactly(sizes):
+    rng = np.random.default_rng(len(sizes))
+    arrays = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in sizes]
+    views = [memoryview(a) for a in arrays]
+    total = sum(sizes)
+    chunks = [bytes(c) for c in _entry.iter_chunks(views, total)]  # copied at once, as txn.put does
+    assert len(chunks) == _entry.n_chunks(total)
+    assert all(len(c) == _entry.CHUNK for c in chunks[:-1]) and 0 < len(chunks[-1]) <= _entry.CHUNK
+    assert b"".join(chunks) == b"".join(a.tobytes() for a in arrays)
