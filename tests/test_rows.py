@@ -22,6 +22,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache,
 from conftest import MODEL_NAMES, MODELS, load_fixture, sample_tokens
 from promptstore import PromptStore
 from promptstore.rows import extract_row, merge_rows, row_count, row_coverage, row_nbytes
+from _bits import bits_equal
 
 LENGTHS = (5, 12, 20, 9)  # gemma3's sliding window is 16: the 20-token row rotates
 MAX_TOKENS = 12
@@ -83,7 +84,7 @@ def saved(tmp_path_factory):
                     info = store.put_row(fp, tokens, batch.prompt_cache, i, meta={"row": i})
                     rows[batch.uids[i]] = (tokens, info)
                 after = _batch_state(batch.prompt_cache)
-                assert len(before) == len(after) and all(mx.array_equal(a, b) for a, b in zip(before, after))
+                assert len(before) == len(after) and all(bits_equal(a, b) for a, b in zip(before, after))
 
             toks, lps = run_batch(model, prompts, MAX_TOKENS, save)
             ref_toks, ref_lps = run_batch(model, prompts, MAX_TOKENS)
@@ -98,7 +99,7 @@ def test_saving_leaves_the_batch_running_untouched(saved):
         assert m["toks"] == m["ref_toks"], name
         for i in range(4):
             assert len(m["toks"][i]) == MAX_TOKENS
-            assert all(mx.array_equal(a, b) for a, b in zip(m["lps"][i], m["ref_lps"][i])), (name, i)
+            assert all(bits_equal(a, b) for a, b in zip(m["lps"][i], m["ref_lps"][i])), (name, i)
 
 
 def test_saved_rows_are_normal_serial_entries(saved):
@@ -246,7 +247,7 @@ def test_extracted_row_does_not_keep_the_batch_alive():
     assert row_bytes == 2 * H * (L - 37 * 3) * D * 4
     assert held < 2 * row_bytes + (1 << 20) + row_bytes, (held, row_bytes, batch_bytes)
     assert held < batch_bytes / 3
-    assert all(mx.array_equal(a, b) for a, b in zip(want, _batch_state(row)))
+    assert all(bits_equal(a, b) for a, b in zip(want, _batch_state(row)))
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -275,10 +276,10 @@ def test_restored_row_joins_a_running_batch_of_3_bit_identically(name, saved):
     # Row 3 is the one that joined (uids are numbered in insertion order).
     assert sorted(toks) == [0, 1, 2, 3]
     assert toks[3] == m["toks"][uid][SAVE_AT + 1 :]
-    assert all(mx.array_equal(a, b) for a, b in zip(lps[3], m["lps"][uid][SAVE_AT + 1 :]))
+    assert all(bits_equal(a, b) for a, b in zip(lps[3], m["lps"][uid][SAVE_AT + 1 :]))
     for i in range(3):
         assert toks[i] == alone_toks[i]
-        assert all(mx.array_equal(a, b) for a, b in zip(lps[i], alone_lps[i])), i
+        assert all(bits_equal(a, b) for a, b in zip(lps[i], alone_lps[i])), i
     # The same row never saved: extracted live from a fresh run of its batch of 4.
     live = {}
 
@@ -290,5 +291,5 @@ def test_restored_row_joins_a_running_batch_of_3_bit_identically(name, saved):
     ref_toks, ref_lps = joined(live["row"])
     for i in range(4):
         assert ref_toks[i] == toks[i]
-        assert all(mx.array_equal(a, b) for a, b in zip(ref_lps[i], lps[i])), i
+        assert all(bits_equal(a, b) for a, b in zip(ref_lps[i], lps[i])), i
 

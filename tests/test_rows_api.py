@@ -20,6 +20,7 @@ from promptstore import CoverageMismatch, InvalidInput
 from promptstore.prefill import prefill
 from promptstore.rows import extract_row, merge_rows, row_count, row_coverage
 from test_rows import _batch_state, run_batch
+from _bits import bits_equal
 
 
 def _kv(n: int, seed: int, heads: int = 2, dim: int = 16) -> KVCache:
@@ -114,7 +115,7 @@ def test_arrays_cache_empty_slots(store):
     info = store.put_row("m@x", [5, 6, 7, 8], [half, kv], 2)
     cache = store.get("m@x", [5, 6, 7, 8])
     assert cache[0].cache[1] is None
-    assert mx.array_equal(cache[0].cache[0], half[0][2:3])
+    assert bits_equal(cache[0].cache[0], half[0][2:3])
     assert info.kinds == ("arrays", "kv")
 
 
@@ -130,7 +131,7 @@ def test_extract_cache_results_store_directly(name, store):
         info = store.put(fp, tokens, cache)
         assert info.n_tokens == len(tokens)
         got = store.get(fp, tokens)
-        assert all(mx.array_equal(a, b) for a, b in zip(_batch_state(cache), _batch_state(got)))
+        assert all(bits_equal(a, b) for a, b in zip(_batch_state(cache), _batch_state(got)))
     # A row inserted with a cache but without all_tokens: its token list misses the
     # cached prefix, and the store says so instead of writing a wrong entry.
     cache, tokens = extracted[uids[0]]
@@ -193,7 +194,7 @@ def test_cache_list_rows_round_trip(store):
     assert type(batch[0]) is CacheList and type(batch[0].caches[0]) is BatchKVCache
     assert row_coverage(batch, 1) == [8]
     row = extract_row(batch, 2)
-    assert all(mx.array_equal(a, b) for a, b in zip(_payload(row), _payload(serial[2])))
+    assert all(bits_equal(a, b) for a, b in zip(_payload(row), _payload(serial[2])))
     assert row[0].caches[0].keys.shape[2] == 5  # compact: no capacity padding
     info = store.put_row("m@x", list(range(5)), batch, 2)
     assert info.kinds == ("list(kv,kv)",)
@@ -207,7 +208,7 @@ def test_plain_batched_kv_rows():
     r.update_and_fetch(keys, keys * 2)
     assert row_count([c, r]) == 3 and row_coverage([c, r], 1) == [7, 7]
     row = extract_row([c, r], 1)
-    assert mx.array_equal(row[0].keys, keys[1:2]) and row[0].offset == 7
+    assert bits_equal(row[0].keys, keys[1:2]) and row[0].offset == 7
     assert row[1].offset == 7 and row[1].keys.shape[2] == r.keys.shape[2]
 
 
@@ -248,7 +249,7 @@ def test_merge_rows_into_running_batch(name, store):
             logits.append(lg)
             y = mx.argmax(lg, axis=-1)
         out.append(logits)
-    assert all(mx.array_equal(a, b) for a, b in zip(*out))
+    assert all(bits_equal(a, b) for a, b in zip(*out))
 
 
 def test_merge_rows_refuses_mismatched_rows():

@@ -16,6 +16,7 @@ from promptstore import PromptStore, fingerprint
 from promptstore._serving_memory import view
 from promptstore.codecs import encode_layer
 from promptstore.serving import PersistentPromptCache, model_identity
+from _bits import bits_equal
 
 
 def prefill(model, tokens):
@@ -32,7 +33,7 @@ def states(cache):
 
 def same(a, b) -> bool:
     sa, sb = states(a), states(b)
-    return len(sa) == len(sb) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(sa, sb))
+    return len(sa) == len(sb) and all(x.shape == y.shape and bits_equal(x, y).item() for x, y in zip(sa, sb))
 
 
 def next_logits(model, cache, token: int):
@@ -83,7 +84,7 @@ def test_insert_persists_and_a_restarted_cache_finds_it(store_path, llama):
         st = pc.stats()
         assert (st["store_hits"], st["memory_hits"], st["written"]) == (1, 1, 0)
     # Continuing from the fetched cache is bit-identical to continuing from the original.
-    assert mx.array_equal(next_logits(model, got, query[40]), next_logits(model, cache, query[40])).item()
+    assert bits_equal(next_logits(model, got, query[40]), next_logits(model, cache, query[40])).item()
 
 
 def test_a_fetch_always_leaves_a_token_and_trims_dense_caches(store_path, llama):
@@ -98,7 +99,7 @@ def test_a_fetch_always_leaves_a_token_and_trims_dense_caches(store_path, llama)
         got, rest = pc.fetch_nearest_cache(key(path), short)
         assert rest == [7, 8, 9] and all(c.offset == 20 for c in got)
         ref, _ = prefill(model, toks[:20])
-        assert mx.array_equal(next_logits(model, got, 7), next_logits(model, ref, 7)).item()
+        assert bits_equal(next_logits(model, got, 7), next_logits(model, ref, 7)).item()
     with PersistentPromptCache(store_path) as pc:  # the same from the store
         got, rest = pc.fetch_nearest_cache(key(path), short)
         assert rest == [7, 8, 9] and all(c.offset == 20 for c in got)
@@ -119,7 +120,7 @@ def test_hybrid_entries_match_only_at_exact_coverage(store_path, hybrid):
             assert pc.fetch_nearest_cache(key(path), toks)[0] is None  # would need a trim
             got, rest = pc.fetch_nearest_cache(key(path), toks + [11])
             assert rest == [11] and same(got, cache)
-            assert mx.array_equal(next_logits(model, got, 11), expect).item()
+            assert bits_equal(next_logits(model, got, 11), expect).item()
 
 
 def test_in_place_writes_after_insert_or_fetch_never_reach_held_or_stored_caches(store_path, llama):
@@ -139,19 +140,19 @@ def test_in_place_writes_after_insert_or_fetch_never_reach_held_or_stored_caches
         next_logits(model, cache, 2)
         next_logits(model, cache, 3)
         next_logits(model, cache, 4)
-        assert not mx.array_equal(states(cache)[0], expect[0]).item()
+        assert not bits_equal(states(cache)[0], expect[0]).item()
         got, _ = pc.fetch_nearest_cache(key(path), toks + [9])
-        assert all(mx.array_equal(a, b).item() for a, b in zip(states(got), expect))
+        assert all(bits_equal(a, b).item() for a, b in zip(states(got), expect))
         # A fetched cache written in place leaves the held one alone.
         for c in got:
             c.trim(6)
         for t in (1, 2, 3):
             next_logits(model, got, t)
         again, _ = pc.fetch_nearest_cache(key(path), toks + [9])
-        assert all(mx.array_equal(a, b).item() for a, b in zip(states(again), expect))
+        assert all(bits_equal(a, b).item() for a, b in zip(states(again), expect))
     with PromptStore(store_path) as s:
         stored = s.get(fp, toks)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(states(stored), expect))
+    assert all(bits_equal(a, b).item() for a, b in zip(states(stored), expect))
 
 
 LOCKER = r"""
