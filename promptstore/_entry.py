@@ -88,7 +88,7 @@ class Manifest:
     trimmable: bool
     meta: Dict[str, Any]
     entry_id: str
-    intact: Optional[bool] = None  # manifest checksum: True ok, False damaged, None absent (older writer)
+    intact: bool = False  # whether the manifest checksum holds
 
     @property
     def kinds(self) -> Tuple[str, ...]:
@@ -200,15 +200,11 @@ def pack_manifest(
     return raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
 
 
-_KNOWN = {"format", "model", "model_name", "tokens", "layers", "payload", "chunks", "chunk_size",
-          "created", "trimmable", "meta", "id", "check"}
-
-
-def _intact(doc: dict, raw: bytes) -> Optional[bool]:
-    """Whether the manifest checksum holds (None: written without one)."""
+def _intact(doc: dict, raw: bytes) -> bool:
+    """Whether the manifest checksum holds. Every format-1 writer writes one,
+    so a manifest without it is damaged (fail closed, never "older writer")."""
     if "check" not in doc:
-        # A damaged "check" key name leaves an unknown key behind: that is damage too.
-        return False if set(doc) - _KNOWN else None
+        return False
     check = doc["check"]
     return isinstance(check, bytes) and raw[-8:] == check and xxhash.xxh3_64_digest(raw[:-8]) == check
 

@@ -107,7 +107,7 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
         chunks = [txn.get(ekey + _keys.u32(i), db=dbs[b"chunks"]) for i in range(man.chunks)]
         arrays = _entry.read_arrays(man, lambda i: chunks[i], where)
         _entry.decode_layers(man, arrays, where)
-        if not getattr(man, "intact", True):
+        if not man.intact:
             raise PromptStoreError("manifest checksum mismatch")
         chunks = [bytes(c) for c in chunks]
         used = txn.get(ekey, db=dbs[b"used"]) if b"used" in dbs else None

@@ -396,7 +396,7 @@ class PromptStore(CapacityMixin):
                 man = self._manifest(txn, ekey)
             except PromptStoreError:
                 return False
-        return man is not None and man.intact is not False and man.model == model and np.array_equal(man.tokens, toks)
+        return man is not None and man.intact and man.model == model and np.array_equal(man.tokens, toks)
 
     def get(self, model: str, tokens: Sequence[int]) -> Optional[List[Any]]:
         """The stored cache of exactly ``tokens``, or None.

@@ -154,6 +154,17 @@ def test_damaged_manifest(two_entries):
     _still_serves(store, fp, healthy, good)
 
 
+def test_manifest_without_its_checksum_is_damaged(two_entries):
+    store, fp, healthy, victim, eid, good = two_entries
+    doc = raw_manifest(store, eid)
+    del doc["check"]
+    write_manifest(store, eid, doc)
+    with pytest.raises(CorruptEntry, match="manifest checksum"):
+        store.get(fp, victim)
+    assert not store.exists(fp, victim)
+    _still_serves(store, fp, healthy, good)
+
+
 def test_reopened_store_refuses_newer_store_format(store_path):
     with PromptStore(store_path) as s:
         s.env.write(lambda t: t.put(b"format", (9).to_bytes(8, "big"), db=s._db[b"info"]))

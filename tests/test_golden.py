@@ -32,6 +32,7 @@ def test_golden_decodes(path):
     for e, entry in enumerate(doc["entries"]):
         where = f"{path.name} entry {e}"
         man = _entry.unpack_manifest(entry["manifest"], where)
+        assert man.intact  # golden manifests carry their checksum
         chunks = entry["chunks"]
         arrays = _entry.read_arrays(man, lambda i: chunks[i] if i < len(chunks) else None, where)
         layers = _entry.decode_layers(man, arrays, where)
