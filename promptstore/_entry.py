@@ -352,26 +352,26 @@ def read_arrays(
     }
     if spanning:
         mx.async_eval(list(spanning.values()))
-    flat: List[mx.array] = []
-    copied = _Copied(bufs, release)
+    # Arrays inside one chunk first: the streams fault in the spanning
+    # destinations meanwhile.
+    flat: List[Optional[mx.array]] = [None] * len(recs)
     for i, (li, rec) in enumerate(recs):
         if i in spanning:
-            dest = spanning.pop(i)
-            mx.eval(dest)
-            host = np.asarray(dest)
-            digest = _copy_pieces(srcs, rec.offset, rec.nbytes, host, copied)
-        else:
-            ci, pos = divmod(rec.offset, CHUNK)
-            piece = srcs[ci][pos : pos + rec.nbytes] if rec.nbytes else np.zeros(0, dtype=np.uint8)
-            digest = xxhash.xxh3_64_intdigest(piece)
-            dest = mx.array(piece) if digest == rec.checksum else None
-        if digest != rec.checksum:
-            raise CorruptEntry(
-                f"{where}: checksum mismatch in layer {li} array {rec.name!r}; "
-                "run `promptstore verify --fix` to remove damaged entries"
-            )
-        flat.append(dest.view(DTYPES[rec.dtype]).reshape(rec.shape))
-        copied.upto(rec.offset + rec.nbytes)
+            continue
+        ci, pos = divmod(rec.offset, CHUNK)
+        piece = srcs[ci][pos : pos + rec.nbytes] if rec.nbytes else np.zeros(0, dtype=np.uint8)
+        _verify(xxhash.xxh3_64_intdigest(piece), li, rec, where)
+        flat[i] = mx.array(piece).view(DTYPES[rec.dtype]).reshape(rec.shape)
+        if release is not None and rec.nbytes:
+            release(bufs[ci][pos : pos + rec.nbytes])
+    copied = _Copied(bufs, release)
+    for i, (li, rec) in enumerate(recs):
+        if i not in spanning:
+            continue
+        dest = spanning.pop(i)
+        mx.eval(dest)
+        _verify(_copy_pieces(srcs, rec.offset, rec.nbytes, np.asarray(dest), copied), li, rec, where)
+        flat[i] = dest.view(DTYPES[rec.dtype]).reshape(rec.shape)
     copied.upto(man.payload + CHUNK)
     out: List[Dict[str, mx.array]] = []
     i = 0
@@ -395,6 +395,14 @@ def _alloc_streams() -> List[Any]:
 
 def _spans(rec: ArrayRecord) -> bool:
     return rec.nbytes > 0 and rec.offset // CHUNK != (rec.offset + rec.nbytes - 1) // CHUNK
+
+
+def _verify(digest: int, li: int, rec: ArrayRecord, where: str) -> None:
+    if digest != rec.checksum:
+        raise CorruptEntry(
+            f"{where}: checksum mismatch in layer {li} array {rec.name!r}; "
+            "run `promptstore verify --fix` to remove damaged entries"
+        )
 
 
 class _Copied:
