@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
 from promptstore import _budget, _entry, _keys
 from promptstore._budget import GcReport
 from promptstore.errors import EntryNotFound, PromptStoreError, StoreFull
+
+if TYPE_CHECKING:
+    from promptstore._salvage import SalvageReport
 
 
 class CapacityMixin:

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import lmdb
 import numpy as np
@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from promptstore import _budget, _entry, _index, _keys, _pages
 from promptstore._capacity import CapacityMixin
+from promptstore._inspect import InspectMixin, VerifyReport
 from promptstore._env import DEFAULT_MAP_SIZE, Env
 from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
 from promptstore.errors import (
@@ -80,21 +81,7 @@ class Hit:
     trimmed: int = 0
 
 
-@dataclass(frozen=True)
-class VerifyReport:
-    """Outcome of :meth:`PromptStore.verify`."""
-
-    checked: int
-    problems: Tuple[Tuple[str, str], ...]  # (entry id, what is wrong)
-    orphan_chunks: int
-    fixed: bool
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems and not self.orphan_chunks
-
-
-class PromptStore(CapacityMixin):
+class PromptStore(CapacityMixin, InspectMixin):
     """Prompt caches in an LMDB environment.
 
     Args:
@@ -483,164 +470,6 @@ class PromptStore(CapacityMixin):
         except PromptStoreError as err:
             log.warning("promptstore: skipping entry %s: %s", _keys.entry_id(ekey), err)
             return None
-
-    # -- inspection --------------------------------------------------------------
-
-    def _resolve(self, txn, key: str) -> bytes:
-        if not isinstance(key, str) or not key or len(key) > 16 or any(c not in "0123456789abcdef" for c in key.lower()):
-            raise EntryNotFound(f"{key!r} is not an entry id (16 hex digits, or a unique prefix)")
-        prefix = key.lower().encode()
-        cur = txn.cursor(db=self._db[b"ids"])
-        found = []
-        if cur.set_range(prefix):
-            for k, v in cur:
-                if not bytes(k).startswith(prefix) or len(found) > 1:
-                    break
-                found.append(bytes(v))
-        if not found:
-            raise EntryNotFound(f"{self.path}: no entry {key!r}; `promptstore ls` lists the ids")
-        if len(found) > 1:
-            raise EntryNotFound(f"{self.path}: {key!r} is ambiguous; give more digits of the id")
-        return found[0]
-
-    def info(self, key: str) -> EntryInfo:
-        """EntryInfo of the entry with id (or unique id prefix) ``key``."""
-        with self.env.read() as txn:
-            ekey = self._resolve(txn, key)
-            man = self._manifest(txn, ekey)
-            if man is None:
-                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
-            return self._info(txn, ekey, man)
-
-    def load(self, key: str, model: Optional[str] = None) -> Tuple[List[Any], EntryInfo, List[int]]:
-        """Restore an entry by id: ``(cache, info, tokens)``.
-
-        Raises:
-            EntryNotFound: no such id.
-            ModelMismatch: ``model`` is given and the entry belongs to another.
-            CorruptEntry, UnknownStorageKind, UnsupportedVersion.
-        """
-        with self.env.read(buffers=True) as txn:
-            ekey = self._resolve(txn, key)
-            man = self._manifest(txn, ekey)
-            if man is None:
-                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
-            if model is not None and man.model != model:
-                raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
-            cache = self._restore(txn, ekey, man)
-            info = self._info(txn, ekey, man)
-        self._touch(ekey)
-        return cache, info, man.tokens.tolist()
-
-    def entries(self, model: Optional[str] = None) -> Iterator[EntryInfo]:
-        """EntryInfo of every readable entry (of ``model`` when given).
-
-        Entries whose manifest is damaged are skipped with a warning; run
-        :meth:`verify` to list them.
-        """
-        mid = _keys.model_id(model) if model is not None else None
-        with self.env.read() as txn:
-            cur = txn.cursor(db=self._db[b"entries"])
-            found = []
-            if mid is None:
-                it = iter(cur) if cur.first() else iter(())
-            else:
-                it = iter(cur) if cur.set_range(mid) else iter(())
-            for k, raw in it:
-                k = bytes(k)
-                if mid is not None and k[:16] != mid:
-                    break
-                try:
-                    man = _entry.unpack_manifest(bytes(raw), f"{self.path} entry {_keys.entry_id(k)}")
-                except PromptStoreError as err:
-                    log.warning("promptstore: %s (run `promptstore verify`)", err)
-                    continue
-                found.append(self._info(txn, k, man))
-        return iter(found)
-
-    def tokens(self, key: str) -> List[int]:
-        """The token ids of the entry with id (or unique prefix) ``key``."""
-        with self.env.read() as txn:
-            man = self._manifest(txn, self._resolve(txn, key))
-            if man is None:
-                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
-            return man.tokens.tolist()
-
-    def counters(self) -> Dict[str, int]:
-        """Hits and misses recorded by every process (after their flush)."""
-        self.flush()
-        out = {}
-        with self.env.read() as txn:
-            for what in ("hits", "misses"):
-                raw = txn.get(b"stat:" + what.encode(), db=self._db[b"info"])
-                out[what] = _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
-        return out
-
-    def file_size(self) -> int:
-        """Bytes the LMDB data file takes on disk (it never shrinks by itself)."""
-        return (self.env.dir / "data.mdb").stat().st_size
-
-    def verify(self, fix: bool = False) -> VerifyReport:
-        """Check every manifest and checksum; with ``fix``, delete what is broken.
-
-        Returns:
-            A VerifyReport listing each damaged entry and orphaned chunks.
-        """
-        problems: List[Tuple[str, str]] = []
-        bad: Dict[bytes, Optional[bytes]] = {}  # entry key -> the manifest bytes found damaged
-        # One snapshot for the entry list and the chunk list: a put commits its
-        # chunks and manifest together, so only true orphans differ between them.
-        with self.env.read() as txn:
-            keys = [bytes(k) for k in txn.cursor(db=self._db[b"entries"]).iternext(keys=True, values=False)]
-            known = set(keys)
-            orphans = [
-                bytes(k)
-                for k in txn.cursor(db=self._db[b"chunks"]).iternext(keys=True, values=False)
-                if bytes(k[:36]) not in known
-            ]
-        checked = 0
-        for ekey in keys:
-            eid = _keys.entry_id(ekey)
-            raw = None
-            try:
-                with self.env.read(buffers=True) as txn:  # one short transaction per entry
-                    found = txn.get(ekey, db=self._db[b"entries"])
-                    if found is None:
-                        continue  # deleted since the snapshot
-                    raw = bytes(found)
-                    checked += 1
-                    man = _entry.unpack_manifest(raw, f"{self.path} entry {eid}")
-                    if man.entry_id != eid or _keys.model_id(man.model) != ekey[:16] or _keys.entry_key(ekey[:16], man.tokens) != ekey:
-                        raise CorruptEntry(f"entry {eid}: manifest does not match its key")
-                    self._restore(txn, ekey, man)
-            except PromptStoreError as err:
-                problems.append((eid, str(err)))
-                bad[ekey] = raw
-        if fix and (bad or orphans):
-            def write(txn) -> None:
-                entries = self._db[b"entries"]
-                for ekey, raw in bad.items():
-                    now = txn.get(ekey, db=entries)
-                    if now is not None and bytes(now) == raw:  # not replaced by a put since
-                        self._unlink(txn, ekey, None)
-                for k in orphans:
-                    if txn.get(k[:36], db=entries) is None:  # still no entry owns them
-                        txn.delete(k, db=self._db[b"chunks"])
-                self._rebuild_index(txn)
-
-            self.env.write(write)
-        return VerifyReport(checked, tuple(problems), len(orphans), fix)
-
-    def _rebuild_index(self, txn) -> None:
-        """Rebuild the prefix index from the intact manifests."""
-        _index.clear(txn, self._db)
-        for k, raw in list(txn.cursor(db=self._db[b"entries"])):
-            k = bytes(k)
-            try:
-                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(k))
-            except PromptStoreError:
-                continue
-            _index.add(txn, self._db, k[:16], man.tokens, _keys.prefix_hashes(man.tokens), k, man.trimmable)
 
 
 def _trim(cache: List[Any], n: int) -> None:

@@ -48,7 +48,6 @@ def make_entry(seed: int, i: int, big_every: int = 6):
 
 def same_cache(a, b) -> bool:
     """Bit-exact equality of two caches: class, codec meta and every array."""
-    import mlx.core as mx
     from promptstore.codecs import encode_layer
 
     if len(a) != len(b):
@@ -188,7 +187,6 @@ def _reader(path: str, rid: int, seconds: float, reports, fd: int) -> None:
 
 
 def concurrency(path: str, seconds: float) -> dict:
-    from promptstore import PromptStore
 
     d = os.path.dirname(path.rstrip("/")) or "."
     reports = [os.path.join(d, f"w{w}.txt") for w in (0, 1)]

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from _workers import MODEL, make_entry, same_cache
 from promptstore import PromptStore

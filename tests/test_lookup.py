@@ -9,7 +9,6 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from conftest import greedy, load_fixture, sample_tokens
-from promptstore import PromptStore
 from promptstore.prefill import prefill
 
 

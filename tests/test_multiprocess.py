@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
-import pytest
 
 
 def _worker(path: str, me: int, other: int, n: int, queue) -> None:

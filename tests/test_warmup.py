@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
