@@ -16,6 +16,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from promptstore import PromptStore, _entry, _pages
 from promptstore import _bench_data as data
+from promptstore._bench_mem import _status
 from promptstore.bench import targets
 from promptstore.cli import main
 from promptstore.cli.bench import render
@@ -144,14 +145,6 @@ def test_unsynced_lmdb_is_setup_only(tmp_path):
 
 
 # -- the restore hot path the bench drove (read_arrays, page release) -----------------
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 @pytest.fixture
