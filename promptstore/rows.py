@@ -421,14 +421,21 @@ def _check_joinable(batch_layer: Any, row_layer: Any, where: str) -> None:
 
 
 def _check_shapes(layers: Sequence[Any], where: str) -> None:
-    """KV rows must agree on heads, head dims and dtype before mlx-lm pads them."""
+    """Rows must agree on KV heads, head dims and dtype, and on the shape and
+    dtype of every recurrent slot, before mlx-lm pads or concatenates them."""
     seen = set()
+    slots = set()
     for layer in layers:
         keys = getattr(layer, "keys", None)
         if isinstance(keys, mx.array):
             seen.add((keys.shape[1], keys.shape[3], layer.values.shape[3], keys.dtype))
+        if isinstance(layer, ArraysCache) or hasattr(layer, "row_offset"):
+            slots.add(tuple(None if x is None else (tuple(x.shape[1:]), str(x.dtype)) for x in (layer[0], layer[1])))
     if len(seen) > 1:
         raise InvalidInput(f"{where}: rows disagree on KV heads, head dims or dtype: {sorted(map(str, seen))}")
+    present = {s for s in slots if all(x is not None for x in s)}
+    if len(present) > 1:
+        raise InvalidInput(f"{where}: rows disagree on recurrent state shapes or dtypes: {sorted(map(str, present))}")
 
 
 def _row_layers(rows: Sequence[Sequence[Any]], n_layers: Optional[int]) -> List[List[Any]]:

@@ -66,11 +66,15 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 
 def _check_cache(cache: List[Any], which: str) -> None:
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
     for i, c in enumerate(cache):
-        if not (c.is_trimmable() or hasattr(c, "begin_round")):
+        # Only caches that stay trimmable whatever their length: a sliding window
+        # (RotatingKVCache) stops being trimmable once it wraps.
+        if not (type(c) in (KVCache, QuantizedKVCache) or hasattr(c, "begin_round")):
             raise InvalidInput(
                 f"speculative decoding: layer {i} of the {which} cache is a "
-                f"{type(c).__name__}, which can neither trim nor run verify rounds; "
+                f"{type(c).__name__}, which can neither always trim nor run verify rounds; "
                 "build the cache with promptstore.ssm.make_prompt_cache(model)"
             )
 

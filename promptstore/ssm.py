@@ -243,8 +243,15 @@ class SSMCache(Rounds):
     def filter(self, batch_indices) -> None:
         """Keep only the rows ``batch_indices``, in place."""
         self._check_no_round("filter")
+        B = self.batch_size
+        try:
+            rows = as_list(batch_indices)
+        except (TypeError, ValueError):
+            rows = None
+        if rows is None or not all(is_int(i) and -B <= i < B for i in rows):
+            raise InvalidInput(f"SSMCache.filter: rows {batch_indices!r} out of range for a batch of {B}")
+        rows = [i % B for i in rows]
         self._fold()
-        rows = as_list(batch_indices)
         idx = mx.array(rows, dtype=mx.int32)
         self._slots = [None if s is None else mx.take(s, idx, axis=0) for s in self._slots]
         self._offsets = [self._offsets[i] for i in rows]
@@ -279,6 +286,8 @@ class SSMCache(Rounds):
         rows = mx.array([idx % self.batch_size], dtype=mx.int32)
         cache = SSMCache()
         cache._slots = [None if s is None else mx.take(s, rows, axis=0) for s in self._slots]
+        # Evaluated here: an unevaluated take would keep the whole batch alive.
+        mx.eval([s for s in cache._slots if s is not None])
         cache._offsets = [offset]
         return cache
 

@@ -488,14 +488,16 @@ def warmup(
 def _probe(job: _Job, group: List[_Plan]) -> bool:
     """Run ``group`` batched and its most padded row serially; store the batch
     only when every entry of that row is bit-identical. Returns that verdict."""
+    before = job.tokens
     batched: List = []
     job.run(group, True, sink=batched)
+    after_batch = job.tokens
     serial: List = []
-    tokens_before = job.tokens
     job.run([group[0]], False, sink=serial)
-    job.tokens = tokens_before  # the probe's serial tokens are not the job's work
+    job.tokens = after_batch  # the probe's serial tokens are not the job's work
     mine = [e for e in batched if e[0] == 0]
     if len(mine) != len(serial) or not all(a[1] == b[1] and _same_entry(a[3], b[3]) for a, b in zip(mine, serial)):
+        job.tokens = before  # the group is prefilled (and counted) again, one prompt at a time
         return False
     for _, tokens, cache, _, meta, final in batched:
         job.put(tokens, cache, meta, final)

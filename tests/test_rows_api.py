@@ -276,6 +276,23 @@ def test_merge_rows_refuses_mismatched_rows():
     assert row_count(batch) == 2  # refusals leave the batch as it was
 
 
+def test_merge_rows_refuses_recurrent_rows_of_other_shapes():
+    from promptstore.ssm import SSMCache
+
+    def arrays(d):
+        c = ArraysCache(2)
+        c[0], c[1] = mx.zeros((1, 3, d)), mx.zeros((1, 2, 4, 4))
+        return c
+
+    with pytest.raises(InvalidInput, match="recurrent state shapes"):
+        merge_rows(None, [[arrays(8)], [arrays(16)]])
+    batch = SSMCache.from_parts(mx.zeros((2, 3, 8)), mx.zeros((2, 2, 4, 4)), [5, 6])
+    solo = SSMCache.from_parts(mx.zeros((1, 3, 16)), mx.zeros((1, 2, 4, 4)), [7])
+    with pytest.raises(InvalidInput, match="recurrent state shapes"):
+        merge_rows([batch], [[solo]])
+    assert batch.offsets == [5, 6]
+
+
 # -- rows taken mid-prefill (the prompt batch) ----------------------------------------------
 
 

@@ -17,6 +17,7 @@ from promptstore.errors import InvalidInput
 from promptstore.speculative import SpeculativeStats, speculative_generate, speculative_generate_step
 from promptstore.ssm import SSMCache, make_prompt_cache
 from _bits import bits_equal
+from conftest import MODELS
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 HYBRIDS = ("qwen3_next", "qwen3_5")
@@ -112,3 +113,11 @@ def test_mlx_lm_refuses_and_bad_caches_are_refused():
         next(speculative_generate_step(mx.array(PROMPT), target, draft, prompt_cache=mlx_make_prompt_cache(target)))
     with pytest.raises(InvalidInput):
         next(speculative_generate_step(mx.array(PROMPT), target, draft, num_draft_tokens=0))
+
+
+def test_sliding_window_caches_are_refused_up_front():
+    """A RotatingKVCache is trimmable only until it wraps: refused before any round."""
+    gemma, _ = load(str(MODELS / "gemma3_text"))
+    for prompt in (PROMPT[:4], PROMPT * 4):
+        with pytest.raises(InvalidInput, match="RotatingKVCache"):
+            next(speculative_generate_step(mx.array(prompt), gemma, gemma, num_draft_tokens=2))
