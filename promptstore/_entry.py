@@ -118,7 +118,7 @@ def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], in
     records, views, offset, i = [], [], 0, 0
     for enc in layers:
         arrays = []
-        for name, src in enc.arrays.items():
+        for name in enc.arrays:
             a = flat[i]
             i += 1
             dtype = _DTYPE_NAMES.get(a.dtype)

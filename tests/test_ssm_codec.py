@@ -16,6 +16,7 @@ from promptstore.codecs import decode_layer, encode_layer, layer_coverage, stora
 from promptstore.errors import CorruptEntry, CoverageMismatch
 from promptstore.ssm import RoundError, SSMCache, adapt, make_prompt_cache
 from _bits import bits_equal
+from test_ssm import verify_round
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 HYBRIDS = ("qwen3_next", "qwen3_5")
@@ -144,15 +145,7 @@ def test_malformed_arrays_are_corrupt():
 def _pending_cache(model, keep):
     cache = make_prompt_cache(model)
     _forward(model, cache, PROMPT)
-    for c in cache:
-        if isinstance(c, SSMCache):
-            c.begin_round()
-    _forward(model, cache, WINDOW)
-    for c in cache:
-        if isinstance(c, SSMCache):
-            c.rollback(keep)
-        else:
-            c.trim(len(WINDOW) - keep)
+    verify_round(model, cache, WINDOW, keep)
     return cache
 
 
