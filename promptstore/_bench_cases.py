@@ -62,9 +62,11 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
     """put/get against mlx-lm save/load, a plain file write+fsync/read and memcpy.
 
     The operations run interleaved, one of each per round, so that a noisy
-    machine (shared cores, shared disk) slows every side alike. Each put
-    writes a new entry (the store file grows, as the reference writes a new
-    file). Leaves the entry of ``tokens`` in ``workdir/store`` for the
+    machine (shared cores, shared disk) slows every side alike. ``put`` is
+    measured with the store at a steady size: the entry the previous put
+    wrote is deleted (untimed) first, as the reference file is replaced, so
+    both sides write over space they freed. ``put_grow`` keeps every entry
+    and ``file_write_grow`` every file: both sides take new space. Leaves the entry of ``tokens`` in ``workdir/store`` for the
     peak-memory case.
     """
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
@@ -89,13 +91,37 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
         store.put(MODEL, tokens, cache)  # the entry every get reads (untimed first put)
         rounds = iter(range(1, 1 << 30))
         written: List[int] = []
+        last: List[np.ndarray] = []  # the entry the previous steady put wrote
+        kept: List[Path] = []  # the files the growing reference wrote
+
+        def variant() -> np.ndarray:
+            toks = tokens.copy()
+            toks[-1] = (int(toks[-1]) + next(rounds)) % 150_000 + 3
+            return toks
+
+        def drop_last() -> None:
+            # Untimed: the store stays at one size, as the reference replaces
+            # its file (a store at its byte budget evicts as it puts).
+            if last:
+                store.delete(MODEL, last.pop())
 
         def put() -> None:
-            variant = tokens.copy()
-            variant[-1] = (int(variant[-1]) + next(rounds)) % 150_000 + 3
+            toks = variant()
             io0 = write_bytes()
-            store.put(MODEL, variant, cache)
+            store.put(MODEL, toks, cache)
             written.append(write_bytes() - io0)
+            last.append(toks)
+
+        def put_grow() -> None:
+            store.put(MODEL, variant(), cache)
+
+        def file_write_grow() -> None:
+            path = workdir / f"grow-{len(kept)}.bin"
+            kept.append(path)
+            with open(path, "wb", buffering=0) as f:
+                for v in views:
+                    f.write(v)
+                os.fsync(f.fileno())
 
         def get() -> None:
             res.append(store.get(MODEL, tokens))
@@ -137,8 +163,10 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
             return lambda: path.unlink(missing_ok=True)
 
         fresh = {
-            "put": (None, put),
+            "put": (drop_last, put),
             "file_write": (unlink(raw), file_write),
+            "put_grow": (None, put_grow),
+            "file_write_grow": (None, file_write_grow),
             "mlx_save": (unlink(st), mlx_save),
             "get_fresh": (release(True), get),
             "mlx_load_fresh": (release(True), mlx_load),
@@ -170,6 +198,8 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
         res.clear()
         st.unlink(missing_ok=True)
         raw.unlink(missing_ok=True)
+        for path in kept:
+            path.unlink(missing_ok=True)
     np.save(workdir / f"tokens-{n_tokens}.npy", tokens)
     del src, dst, views, cache
     gc.collect()
