@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,10 +64,10 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
 
     The operations run interleaved, one of each per round, so that a noisy
     machine (shared cores, shared disk) slows every side alike. ``put`` is
-    measured with the store at a steady size: the entry the previous put
-    wrote is deleted (untimed) first, as the reference file is replaced, so
-    both sides write over space they freed. ``put_grow`` keeps every entry
-    and ``file_write_grow`` every file: both sides take new space. Leaves the entry of ``tokens`` in ``workdir/store`` for the
+    measured with the store at a steady size: the entry of two puts ago is
+    deleted (untimed) first, as the reference file is replaced, so both sides
+    write over space they freed. ``put_grow`` keeps every entry (in a store
+    of its own) and ``file_write_grow`` every file: both sides take new space. Leaves the entry of ``tokens`` in ``workdir/store`` for the
     peak-memory case.
     """
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
@@ -86,12 +87,13 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
     dst = np.empty_like(src)
     res: List[Any] = []
     store = PromptStore(workdir / "store")
+    grow = PromptStore(workdir / "grow")
     try:
         store.put(MODEL, tokens[:1], data.tiny_kv(1))  # for the peak-memory child's warm-up
         store.put(MODEL, tokens, cache)  # the entry every get reads (untimed first put)
         rounds = iter(range(1, 1 << 30))
         written: List[int] = []
-        last: List[np.ndarray] = []  # the entry the previous steady put wrote
+        last: List[np.ndarray] = []  # the entries the last two steady puts wrote
         kept: List[Path] = []  # the files the growing reference wrote
 
         def variant() -> np.ndarray:
@@ -101,9 +103,11 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
 
         def drop_last() -> None:
             # Untimed: the store stays at one size, as the reference replaces
-            # its file (a store at its byte budget evicts as it puts).
-            if last:
-                store.delete(MODEL, last.pop())
+            # its file (a store at its byte budget evicts as it puts). LMDB
+            # reuses pages freed by transaction T from T + 2 on, so the entry
+            # of two puts ago goes: its pages are free for this put.
+            if len(last) >= 2:
+                store.delete(MODEL, last.pop(0))
 
         def put() -> None:
             toks = variant()
@@ -112,8 +116,8 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
             written.append(write_bytes() - io0)
             last.append(toks)
 
-        def put_grow() -> None:
-            store.put(MODEL, variant(), cache)
+        def put_grow() -> None:  # its own store: it must not take the pages the steady puts free
+            grow.put(MODEL, variant(), cache)
 
         def file_write_grow() -> None:
             path = workdir / f"grow-{len(kept)}.bin"
@@ -195,6 +199,8 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
         )
     finally:
         store.close()
+        grow.close()
+        shutil.rmtree(workdir / "grow", ignore_errors=True)
         res.clear()
         st.unlink(missing_ok=True)
         raw.unlink(missing_ok=True)

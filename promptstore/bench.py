@@ -154,8 +154,8 @@ def targets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
         judge(f"get vs memcpy ({k})", t["memcpy_fresh"] / t["get_fresh"], ">=", 0.6,
               "get with fresh allocations vs memcpy into a fresh buffer")
         judge(f"durable put vs file write+fsync ({k})", t["file_write"] / t["put"], ">=", 0.9,
-              "LMDB sync commit vs write+fsync of the same bytes; the store at a steady size (the previous "
-              "put's entry deleted untimed), the file replaced")
+              "LMDB sync commit vs write+fsync of the same bytes; the store at a steady size (the entry of two "
+              "puts ago deleted untimed), the file replaced")
         if "put_grow" in t:
             judge(f"durable put vs file write+fsync, both growing ({k})", t["file_write_grow"] / t["put_grow"], ">=", 0.9,
                   "every entry and every reference file kept: both sides take new space")
