@@ -67,8 +67,9 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
     measured with the store at a steady size: the entry of two puts ago is
     deleted (untimed) first, as the reference file is replaced, so both sides
     write over space they freed. ``put_grow`` keeps every entry (in a store
-    of its own) and ``file_write_grow`` every file: both sides take new space. Leaves the entry of ``tokens`` in ``workdir/store`` for the
-    peak-memory case.
+    of its own) and ``file_write_grow`` every file: both sides take new space.
+    Leaves the entry of ``tokens`` in ``workdir/store`` for the peak-memory
+    case.
     """
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
