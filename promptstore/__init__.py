@@ -9,6 +9,7 @@ Public API::
         hit = store.lookup(fingerprint(model_dir), longer_tokens)
 """
 
+from promptstore import errors
 from promptstore.errors import (
     CodecError,
     CorruptEntry,
@@ -59,17 +60,5 @@ __all__ = [
     "warmup",
     "WarmupSummary",
     "LineError",
-    "PromptStoreError",
-    "InvalidInput",
-    "CoverageMismatch",
-    "ModelMismatch",
-    "EntryNotFound",
-    "CodecError",
-    "UnknownStorageKind",
-    "UnsupportedVersion",
-    "CorruptEntry",
-    "RoundError",
-    "StoreError",
-    "StoreFull",
-    "StoreUnavailable",
+    *errors.__all__,  # the whole error tree, as promptstore.errors lists it
 ]

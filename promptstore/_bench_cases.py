@@ -102,7 +102,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
             toks[-1] = (int(toks[-1]) + next(rounds)) % 150_000 + 3
             return toks
 
-        def drop_last() -> None:
+        def drop_older() -> None:
             # Untimed: the store stays at one size, as the reference replaces
             # its file (a store at its byte budget evicts as it puts). LMDB
             # reuses pages freed by transaction T from T + 2 on, so the entry
@@ -168,7 +168,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
             return lambda: path.unlink(missing_ok=True)
 
         fresh = {
-            "put": (drop_last, put),
+            "put": (drop_older, put),
             "file_write": (unlink(raw), file_write),
             "put_grow": (None, put_grow),
             "file_write_grow": (None, file_write_grow),
