@@ -135,6 +135,12 @@ class _Gen:
     def writemap(self) -> bool:
         return self.fd is not None
 
+    def file_size(self) -> int:
+        """The data file's length with a writable map (LMDB sets it to the map
+        size on a resize: a new size must not cut off another process's larger
+        map), else 0."""
+        return os.fstat(self.fd).st_size if self.fd is not None else 0
+
     def close(self) -> None:
         self.env.close()
         if self.fd is not None:
@@ -412,7 +418,7 @@ class Env:
                             f"{self.path}: LMDB map of {size} bytes is full; delete entries or run "
                             "`promptstore gc`"
                         ) from err
-                    gen.env.set_mapsize(size * 2)
+                    gen.env.set_mapsize(max(size * 2, gen.file_size()))
                 except lmdb.Error as err:
                     txn.abort()
                     raise translate(err, gen.dir, "write") from err
@@ -430,6 +436,7 @@ class Env:
         need = (info["last_pgno"] + 1) * gen.psize + nbytes + nbytes // 64 + _SLACK
         if need <= size or size >= MAX_MAP_SIZE:
             return
+        size = max(size, gen.file_size())
         with self._lock:
             if gen.active != 1:
                 return  # another thread's transaction maps the file: MapFullError handles it

@@ -135,3 +135,21 @@ def test_a_truncated_file_is_refused_and_keeps_its_length(tmp_path):
     with pytest.raises(StoreUnavailable, match="truncated"):
         PromptStore(path)
     assert os.path.getsize(data) == cut  # not extended to the map by the refused open
+
+
+def test_growing_the_map_never_cuts_a_longer_file(tmp_path):
+    """Another process may have grown the map (and the file) further: a resize
+    here adopts the file's length instead of truncating it to double ours."""
+    with PromptStore(tmp_path / "s") as store:
+        env = store.env
+        data = env.dir / "data.mdb"
+        ours = env.env.info()["map_size"]
+        longer = 8 * ours
+        os.truncate(data, longer)  # as a peer's resize would leave it
+        value = bytes(ours)  # does not fit our map: it grows first
+
+        env.write(lambda txn: txn.put(b"big", value, db=env.db[b"info"]), nbytes=len(value))
+        assert os.path.getsize(data) == longer
+        assert env.env.info()["map_size"] == longer
+        with env.read() as txn:
+            assert txn.get(b"big", db=env.db[b"info"]) == value
