@@ -14,6 +14,8 @@ is returned. Sizes are checked before anything is allocated.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -382,15 +384,27 @@ def read_arrays(
 
 
 _PIECE = 1 << 20  # hash then copy 1 MiB at a time: the copy reads it from cache
-_STREAMS: List[Any] = []
+_STREAMS = threading.local()
+
+
+def _forget_streams() -> None:  # a forked child has none of the parent's mlx threads
+    global _STREAMS
+    _STREAMS = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_streams)
 
 
 def _alloc_streams() -> List[Any]:
     """Two CPU streams (two mlx worker threads) that fault in fresh
-    destination pages side by side; made on first use."""
-    if not _STREAMS:
-        _STREAMS.extend([mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)])
-    return _STREAMS
+    destination pages side by side; made on first use in each thread:
+    an mlx stream belongs to the thread that made it (using one from
+    another thread raises "There is no Stream(cpu, N) in current thread")."""
+    streams = getattr(_STREAMS, "streams", None)
+    if streams is None:
+        streams = _STREAMS.streams = [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)]
+    return streams
 
 
 def _spans(rec: ArrayRecord) -> bool:
