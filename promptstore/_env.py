@@ -19,7 +19,7 @@ into malloc'd memory and ``write``-ing it at commit (the put bench measured
 0.3 -> 1.4 GB/s on a 32K-token cache). Three things come with it:
 * LMDB extends ``data.mdb`` to the map size (a sparse file), so a page past the
   used ones is a hole; writing a hole on a full disk raises SIGBUS. Every write
-  transaction therefore first reserves, with ``posix_fallocate`` under the write
+  transaction therefore first reserves, with ``fallocate`` under the write
   lock, the blocks past the last used page that it may write (a put: its size
   plus slack); when they cannot be had it fails as :class:`StoreFull` before
   anything is written. Pages reused from the free list already have blocks.
@@ -32,7 +32,8 @@ into malloc'd memory and ``write``-ing it at commit (the put bench measured
   cache and the file).
 Not used (plain copy-and-write commits instead) when the process has a
 file-size limit (``ulimit -f``: writes through a mapping would bypass it), when
-opening with it fails, or with ``PROMPTSTORE_WRITEMAP=0``.
+the file system cannot ``fallocate``, when opening with it fails, or with
+``PROMPTSTORE_WRITEMAP=0``.
 
 Generations (compaction). LMDB files never shrink and a data file cannot be
 swapped under a lock file that other processes share. So the store directory
@@ -50,6 +51,7 @@ them alive until they move on.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import resource
@@ -104,12 +106,53 @@ def _signature(path: Path):
     return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
 
-def _writemap_wanted(readonly: bool) -> bool:
-    if readonly or not sys.platform.startswith("linux") or not hasattr(os, "posix_fallocate"):
+def _libc_fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong), ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _libc_fallocate()
+
+
+def fallocate(fd: int, offset: int, length: int) -> None:
+    """fallocate(2), mode 0: give ``[offset, offset + length)`` real blocks
+    (glibc's ``posix_fallocate`` would instead write a byte per block where
+    the file system lacks it). Raises OSError."""
+    if _FALLOCATE is None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    if _FALLOCATE(fd, 0, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _writemap_wanted(readonly: bool, where: Path) -> bool:
+    if readonly or _FALLOCATE is None or os.environ.get("PROMPTSTORE_WRITEMAP", "1") == "0":
         return False
-    if os.environ.get("PROMPTSTORE_WRITEMAP", "1") == "0":
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
         return False
-    return resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY
+    # The file system must reserve blocks (fallocate) for the map to be safe.
+    probe = where / f".fallocate-probe.{os.getpid()}.{threading.get_ident()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        fallocate(fd, 0, 4096)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
 
 
 def disk_bytes(path: Path) -> int:
@@ -122,7 +165,7 @@ def disk_bytes(path: Path) -> int:
 class _Gen:
     """One open generation: its lmdb environment, tables and live transactions.
 
-    ``fd`` is the data file opened for ``posix_fallocate`` when the
+    ``fd`` is the data file opened for :func:`fallocate` when the
     environment uses a writable map, else None.
     """
 
@@ -163,7 +206,7 @@ class _Gen:
             if size <= 0:
                 return
             try:
-                os.posix_fallocate(self.fd, start, size)
+                fallocate(self.fd, start, size)
                 return
             except OSError as err:
                 if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -231,7 +274,7 @@ class Env:
             size_before: Optional[int] = data.stat().st_size
         except OSError:
             size_before = None
-        writemap = _writemap_wanted(self.readonly)
+        writemap = _writemap_wanted(self.readonly, where)
         env: Optional[lmdb.Environment] = None
         for wm in ((True, False) if writemap else (False,)):
             try:

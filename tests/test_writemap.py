@@ -153,3 +153,17 @@ def test_growing_the_map_never_cuts_a_longer_file(tmp_path):
         assert env.env.info()["map_size"] == longer
         with env.read() as txn:
             assert txn.get(b"big", db=env.db[b"info"]) == value
+
+
+def test_no_writemap_where_blocks_cannot_be_reserved(tmp_path, monkeypatch):
+    """A file system without fallocate: plain writes, and the store works."""
+    def refuse(fd, offset, length):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(_env, "fallocate", refuse)
+    t, c = make_entry(8, 5)
+    with PromptStore(tmp_path / "s") as store:
+        assert not store.env._gen.writemap
+        store.put(MODEL, t, c)
+        assert same_cache(store.get(MODEL, t), c)
+    assert not list((tmp_path / "s").glob(".fallocate-probe*"))
