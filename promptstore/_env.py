@@ -27,6 +27,11 @@ into malloc'd memory and ``write``-ing it at commit (the put bench measured
   ``WRITEMAP_MIN_MAP`` and a write that would not fit doubles it first; sizes
   are reported from the blocks the file holds (:func:`disk_bytes`), and a
   truncated file is detected from its size before LMDB extends it.
+* LMDB sets the file's length to the map size on every open and resize, so
+  a process with a smaller map would cut off pages another process's larger
+  map is writing (SIGBUS there). Every writable-map open and resize therefore
+  runs under an exclusive ``flock`` on the directory and never asks for less
+  than the file's current length: the file only grows.
 * Pages a large write touched stay mapped, counting in the process's RSS: they
   are dropped from its page tables after the commit (the data stays in the page
   cache and the file).
@@ -53,13 +58,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import resource
 import shutil
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
@@ -155,6 +161,18 @@ def _writemap_wanted(readonly: bool, where: Path) -> bool:
             pass
 
 
+@contextmanager
+def _resize_lock(where: Path) -> Iterator[None]:
+    """Exclusive flock on the generation's directory, shared by every process
+    (and every thread: each call opens its own descriptor)."""
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def disk_bytes(path: Path) -> int:
     """Bytes a data file takes on disk: its blocks when it is sparse (a
     writable map extends it to the map size), else its size."""
@@ -178,17 +196,21 @@ class _Gen:
     def writemap(self) -> bool:
         return self.fd is not None
 
-    def file_size(self) -> int:
-        """The data file's length with a writable map (LMDB sets it to the map
-        size on a resize: a new size must not cut off another process's larger
-        map), else 0."""
-        return os.fstat(self.fd).st_size if self.fd is not None else 0
-
     def close(self) -> None:
         self.env.close()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def resize(self, size: int) -> None:
+        """``set_mapsize(size)`` (0: adopt the size another process committed).
+        With a writable map, under :func:`_resize_lock` and never below the
+        file's current length (see the module docstring)."""
+        if self.fd is None:
+            self.env.set_mapsize(size)
+            return
+        with _resize_lock(self.dir):
+            self.env.set_mapsize(max(size, os.fstat(self.fd).st_size))
 
     def reserve(self, nbytes: int) -> None:
         """Give the pages past the last used one that a write of about
@@ -268,35 +290,52 @@ class Env:
             gen.close()
         raise StoreUnavailable(f"{self.path}: the store kept switching generations while opening; retry")
 
+    def _lmdb_open(self, where: Path, name: str, size_before: Optional[int], wm: bool) -> lmdb.Environment:
+        return lmdb.open(
+            str(where),
+            # A writable map sets the file's length to the map size: it starts
+            # small (the apparent size stays near the data's) and is never
+            # shorter than the file (another process may have grown the map).
+            map_size=max(min(self.map_size, WRITEMAP_MIN_MAP), size_before or 0) if wm else self.map_size,
+            max_dbs=len(DBS) + 1,
+            max_readers=1024,
+            readonly=self.readonly,
+            create=not self.readonly and name == ".",
+            subdir=True,
+            max_spare_txns=4,
+            writemap=wm,
+        )
+
     def _open_gen(self, where: Path, name: str) -> _Gen:
         data = where / "data.mdb"
-        try:
-            size_before: Optional[int] = data.stat().st_size
-        except OSError:
-            size_before = None
+        size_before: Optional[int] = None
         writemap = _writemap_wanted(self.readonly, where)
         env: Optional[lmdb.Environment] = None
         for wm in ((True, False) if writemap else (False,)):
             try:
-                env = lmdb.open(
-                    str(where),
-                    # A writable map sets the file's length to the map size: it starts
-                    # small (the apparent size stays near the data's) and is never
-                    # shorter than the file (another process may have grown the map).
-                    map_size=max(min(self.map_size, WRITEMAP_MIN_MAP), size_before or 0) if wm else self.map_size,
-                    max_dbs=len(DBS) + 1,
-                    max_readers=1024,
-                    readonly=self.readonly,
-                    create=not self.readonly and name == ".",
-                    subdir=True,
-                    max_spare_txns=4,
-                    writemap=wm,
-                )
+                # A writable-map open sets the file's length: under the resize lock.
+                with _resize_lock(where) if wm else nullcontext():
+                    try:
+                        size_before = data.stat().st_size
+                    except OSError:
+                        size_before = None
+                    try:
+                        env = self._lmdb_open(where, name, size_before, wm)
+                    except lmdb.Error:
+                        if wm:
+                            _restore_size(data, size_before)
+                        raise
+                    if wm:
+                        try:
+                            check_size(env, where, size_before)
+                        except StoreUnavailable:
+                            env.close()
+                            _restore_size(data, size_before)  # LMDB extended the damaged file: give it back its length
+                            raise
                 writemap = wm
                 break
             except lmdb.Error as err:
                 if wm:
-                    _restore_size(data, size_before)
                     continue  # e.g. the file system cannot extend the file to the map size
                 raise translate(err, where, "open") from err
             except OSError as err:
@@ -305,11 +344,6 @@ class Env:
         fd = None
         try:
             if writemap:
-                try:
-                    check_size(env, where, size_before)
-                except StoreUnavailable:
-                    _restore_size(data, size_before)  # LMDB extended the damaged file: give it back its length
-                    raise
                 fd = os.open(data, os.O_RDWR | os.O_CLOEXEC)
             else:
                 check_size(env, where)
@@ -398,7 +432,7 @@ class Env:
             try:
                 return gen.env.begin(write=write, buffers=buffers)
             except lmdb.MapResizedError:
-                gen.env.set_mapsize(0)  # another process grew the map: adopt its size
+                gen.resize(0)  # another process grew the map: adopt its size
             except lmdb.Error as err:
                 raise translate(err, gen.dir, "begin transaction") from err
         raise StoreUnavailable(f"{self.path}: the map kept being resized by other processes; retry")
@@ -461,7 +495,7 @@ class Env:
                             f"{self.path}: LMDB map of {size} bytes is full; delete entries or run "
                             "`promptstore gc`"
                         ) from err
-                    gen.env.set_mapsize(max(size * 2, gen.file_size()))
+                    gen.resize(size * 2)
                 except lmdb.Error as err:
                     txn.abort()
                     raise translate(err, gen.dir, "write") from err
@@ -479,14 +513,13 @@ class Env:
         need = (info["last_pgno"] + 1) * gen.psize + nbytes + nbytes // 64 + _SLACK
         if need <= size or size >= MAX_MAP_SIZE:
             return
-        size = max(size, gen.file_size())
         with self._lock:
             if gen.active != 1:
                 return  # another thread's transaction maps the file: MapFullError handles it
             while size < need and size * 2 <= MAX_MAP_SIZE:
                 size *= 2
             try:
-                gen.env.set_mapsize(size)
+                gen.resize(size)
             except lmdb.Error as err:
                 raise translate(err, gen.dir, "grow the map") from err
 
