@@ -95,7 +95,7 @@ def render(res: Dict[str, Any]) -> str:
         add("### The same, with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`")
         add("")
         lines.extend(_throughput(res["throughput_hugetlb"], gbps))
-        add("glibc then backs large mallocs (mlx's buffers; LMDB's dirty pages too when it runs without a writable map) with transparent huge "
+        add("glibc then backs large mallocs (mlx's buffers, LMDB's dirty pages) with transparent huge "
             "pages, so a fresh destination costs one fault per 2 MiB instead of per 4 KiB.")
         add("")
     add("## Peak memory of a get (fresh process)")

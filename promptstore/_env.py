@@ -13,33 +13,6 @@ Facts this module encodes (measured, see DESIGN.md):
   ``mdb_txn_commit: Input/output error``; a failed commit is probed to tell
   them from a real I/O error, and both become :class:`StoreFull`.
 
-Writable map (Linux). A writer opens with ``writemap=True``: LMDB then writes
-pages straight into its shared file mapping instead of copying each dirty page
-into malloc'd memory and ``write``-ing it at commit (the put bench measured
-0.3 -> 1.4 GB/s on a 32K-token cache). Three things come with it:
-* LMDB extends ``data.mdb`` to the map size (a sparse file), so a page past the
-  used ones is a hole; writing a hole on a full disk raises SIGBUS. Every write
-  transaction therefore first reserves, with ``fallocate`` under the write
-  lock, the blocks past the last used page that it may write (a put: its size
-  plus slack); when they cannot be had it fails as :class:`StoreFull` before
-  anything is written. Pages reused from the free list already have blocks.
-* The file's apparent size is the map size. So the map starts at
-  ``WRITEMAP_MIN_MAP`` and a write that would not fit doubles it first; sizes
-  are reported from the blocks the file holds (:func:`disk_bytes`), and a
-  truncated file is detected from its size before LMDB extends it.
-* LMDB sets the file's length to the map size on every open and resize, so
-  a process with a smaller map would cut off pages another process's larger
-  map is writing (SIGBUS there). Every writable-map open and resize therefore
-  runs under an exclusive ``flock`` on the directory and never asks for less
-  than the file's current length: the file only grows.
-* Pages a large write touched stay mapped, counting in the process's RSS: they
-  are dropped from its page tables after the commit (the data stays in the page
-  cache and the file).
-Not used (plain copy-and-write commits instead) when the process has a
-file-size limit (``ulimit -f``: writes through a mapping would bypass it), when
-the file system cannot ``fallocate``, when opening with it fails, or with
-``PROMPTSTORE_WRITEMAP=0``.
-
 Generations (compaction). LMDB files never shrink and a data file cannot be
 swapped under a lock file that other processes share. So the store directory
 holds generation 0 (``data.mdb``, ``lock.mdb``) and, after compaction,
@@ -56,22 +29,18 @@ them alive until they move on.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fcntl
 import os
 import resource
 import shutil
-import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
 import lmdb
 
-from promptstore import _pages
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
 
 T = TypeVar("T")
@@ -82,10 +51,6 @@ DBS = (b"entries", b"chunks", b"nodes", b"ends", b"segs", b"used", b"ids", b"inf
 _DUPSORT = {b"ends", b"segs"}
 CURRENT = "CURRENT"
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
-_SLACK = 4 << 20  # blocks reserved past the used pages beyond a write's own size
-_MIN_RESERVE = 256 << 10  # what a small write still asks for when the disk is nearly full
-_RELEASE_AFTER = 8 << 20  # a write at least this large drops its pages from the page tables
-WRITEMAP_MIN_MAP = 64 << 20  # a writable map starts this small and doubles ahead of the data
 
 
 def live_dir(path: Path) -> Tuple[Path, str]:
@@ -112,141 +77,12 @@ def _signature(path: Path):
     return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
 
-def _libc_fallocate():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong), ctypes.c_int
-    return fn
-
-
-_FALLOCATE = _libc_fallocate()
-
-
-def fallocate(fd: int, offset: int, length: int) -> None:
-    """fallocate(2), mode 0: give ``[offset, offset + length)`` real blocks
-    (glibc's ``posix_fallocate`` would instead write a byte per block where
-    the file system lacks it). Raises OSError."""
-    if _FALLOCATE is None:
-        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
-    if _FALLOCATE(fd, 0, offset, length) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-
-
-def _writemap_wanted(readonly: bool, where: Path) -> bool:
-    if readonly or _FALLOCATE is None or os.environ.get("PROMPTSTORE_WRITEMAP", "1") == "0":
-        return False
-    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
-        return False
-    # The file system must reserve blocks (fallocate) for the map to be safe.
-    probe = where / f".fallocate-probe.{os.getpid()}.{threading.get_ident()}"
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return False
-    try:
-        fallocate(fd, 0, 4096)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(probe)
-        except OSError:
-            pass
-
-
-@contextmanager
-def _resize_lock(where: Path) -> Iterator[None]:
-    """Exclusive flock on the generation's directory, shared by every process
-    (and every thread: each call opens its own descriptor)."""
-    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def disk_bytes(path: Path) -> int:
-    """Bytes a data file takes on disk: its blocks when it is sparse (a
-    writable map extends it to the map size), else its size."""
-    st = os.stat(path)
-    return min(st.st_size, st.st_blocks * 512)
-
-
 class _Gen:
-    """One open generation: its lmdb environment, tables and live transactions.
+    """One open generation: its lmdb environment, tables and live transactions."""
 
-    ``fd`` is the data file opened for :func:`fallocate` when the
-    environment uses a writable map, else None.
-    """
-
-    def __init__(self, env: lmdb.Environment, db: Dict[bytes, object], name: str, where: Path, fd: Optional[int] = None):
-        self.env, self.db, self.name, self.dir, self.fd = env, db, name, where, fd
+    def __init__(self, env: lmdb.Environment, db: Dict[bytes, object], name: str, where: Path):
+        self.env, self.db, self.name, self.dir = env, db, name, where
         self.active = 0
-        self.psize = env.stat()["psize"]
-
-    @property
-    def writemap(self) -> bool:
-        return self.fd is not None
-
-    def close(self) -> None:
-        self.env.close()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def resize(self, size: int) -> None:
-        """``set_mapsize(size)`` (0: adopt the size another process committed).
-        With a writable map, under :func:`_resize_lock` and never below the
-        file's current length (see the module docstring)."""
-        if self.fd is None:
-            self.env.set_mapsize(size)
-            return
-        with _resize_lock(self.dir):
-            self.env.set_mapsize(max(size, os.fstat(self.fd).st_size))
-
-    def reserve(self, nbytes: int) -> None:
-        """Give the pages past the last used one that a write of about
-        ``nbytes`` may take real blocks (call under the write lock).
-
-        Raises:
-            StoreFull: the disk (or quota) has no room; nothing was written.
-        """
-        info = self.env.info()
-        start = (info["last_pgno"] + 1) * self.psize
-        limit = info["map_size"]  # past the map LMDB writes nothing (MapFullError first)
-        want = nbytes + nbytes // 64 + _SLACK
-        for size in (want, nbytes + _MIN_RESERVE):
-            size = min(size, limit - start)
-            if size <= 0:
-                return
-            try:
-                fallocate(self.fd, start, size)
-                return
-            except OSError as err:
-                if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise StoreError(f"{self.dir}: cannot reserve disk space for a write ({err})") from err
-                last = err
-        raise StoreFull(
-            f"{self.dir}: the disk has no room for this write of {nbytes} bytes ({os.strerror(last.errno)}); "
-            "nothing of it was kept. Free disk space, lower the budget (`promptstore gc --budget`) or "
-            "`promptstore compact`"
-        ) from last
-
-    def release(self) -> None:
-        """Drop the used pages from this process's page tables (after a commit).
-        The map's address comes from ``/proc/self/maps`` (LMDB's ``map_addr``
-        is only set for fixed maps)."""
-        used = (self.env.info()["last_pgno"] + 1) * self.psize
-        for lo, hi in _pages.mapped_ranges(str(os.path.realpath(self.dir / "data.mdb"))):
-            _pages.drop(lo, min(hi - lo, used))
 
 
 class Env:
@@ -287,66 +123,27 @@ class Env:
             if _signature(self.path) == sig:
                 self._sig = sig
                 return gen
-            gen.close()
+            gen.env.close()
         raise StoreUnavailable(f"{self.path}: the store kept switching generations while opening; retry")
 
-    def _lmdb_open(self, where: Path, name: str, size_before: Optional[int], wm: bool) -> lmdb.Environment:
-        return lmdb.open(
-            str(where),
-            # A writable map sets the file's length to the map size: it starts
-            # small (the apparent size stays near the data's) and is never
-            # shorter than the file (another process may have grown the map).
-            map_size=max(min(self.map_size, WRITEMAP_MIN_MAP), size_before or 0) if wm else self.map_size,
-            max_dbs=len(DBS) + 1,
-            max_readers=1024,
-            readonly=self.readonly,
-            create=not self.readonly and name == ".",
-            subdir=True,
-            max_spare_txns=4,
-            writemap=wm,
-        )
-
     def _open_gen(self, where: Path, name: str) -> _Gen:
-        data = where / "data.mdb"
-        size_before: Optional[int] = None
-        writemap = _writemap_wanted(self.readonly, where)
-        env: Optional[lmdb.Environment] = None
-        for wm in ((True, False) if writemap else (False,)):
-            try:
-                # A writable-map open sets the file's length: under the resize lock.
-                with _resize_lock(where) if wm else nullcontext():
-                    try:
-                        size_before = data.stat().st_size
-                    except OSError:
-                        size_before = None
-                    try:
-                        env = self._lmdb_open(where, name, size_before, wm)
-                    except lmdb.Error:
-                        if wm:
-                            _restore_size(data, size_before)
-                        raise
-                    if wm:
-                        try:
-                            check_size(env, where, size_before)
-                        except StoreUnavailable:
-                            env.close()
-                            _restore_size(data, size_before)  # LMDB extended the damaged file: give it back its length
-                            raise
-                writemap = wm
-                break
-            except lmdb.Error as err:
-                if wm:
-                    continue  # e.g. the file system cannot extend the file to the map size
-                raise translate(err, where, "open") from err
-            except OSError as err:
-                raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
-        assert env is not None
-        fd = None
         try:
-            if writemap:
-                fd = os.open(data, os.O_RDWR | os.O_CLOEXEC)
-            else:
-                check_size(env, where)
+            env = lmdb.open(
+                str(where),
+                map_size=self.map_size,
+                max_dbs=len(DBS) + 1,
+                max_readers=1024,
+                readonly=self.readonly,
+                create=not self.readonly and name == ".",
+                subdir=True,
+                max_spare_txns=4,
+            )
+        except lmdb.Error as err:
+            raise translate(err, where, "open") from err
+        except OSError as err:
+            raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
+        try:
+            check_size(env, where)
             env.reader_check()
             db = {}
             if self.readonly:
@@ -365,17 +162,11 @@ class Env:
                         db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in _DUPSORT)
         except lmdb.Error as err:
             env.close()
-            if fd is not None:
-                os.close(fd)
             raise translate(err, where, "open") from err
-        except (StoreError, OSError) as err:
+        except StoreError:
             env.close()
-            if fd is not None:
-                os.close(fd)
-            if isinstance(err, OSError):
-                raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
             raise
-        return _Gen(env, db, name, where, fd)
+        return _Gen(env, db, name, where)
 
     @property
     def dir(self) -> Path:
@@ -414,7 +205,7 @@ class Env:
                         self._lock.wait(0.05)  # a write must wait for this process's open txns
                     if not self._gen.active:  # else: a read in an older, consistent snapshot
                         new = self._open_live()
-                        self._gen.close()
+                        self._gen.env.close()
                         self._gen = new
                         self.env = new.env
                         self.db.clear()
@@ -432,7 +223,7 @@ class Env:
             try:
                 return gen.env.begin(write=write, buffers=buffers)
             except lmdb.MapResizedError:
-                gen.resize(0)  # another process grew the map: adopt its size
+                gen.env.set_mapsize(0)  # another process grew the map: adopt its size
             except lmdb.Error as err:
                 raise translate(err, gen.dir, "begin transaction") from err
         raise StoreUnavailable(f"{self.path}: the map kept being resized by other processes; retry")
@@ -458,34 +249,23 @@ class Env:
         finally:
             self._release(gen)
 
-    def write(self, fn: Callable[[lmdb.Transaction], T], nbytes: int = 0) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn(txn)`` in a write transaction and commit; grow the map and
-        retry when it is full. All or nothing: on error nothing is written.
-
-        ``nbytes``: about how many bytes ``fn`` stores (a put's payload); with
-        a writable map, that much disk is reserved first (see the module
-        docstring), and the pages are dropped from the page tables after.
-        """
+        retry when it is full. All or nothing: on error nothing is written."""
         self.check_pid()
         moved = False
         while True:
             gen = self._follow(force=moved)
             moved = False
             try:
-                if gen.writemap:
-                    self._grow_ahead(gen, nbytes)
                 txn = self._begin(gen, True, False)
                 try:
                     if gen.name != live_dir(self.path)[1]:
                         moved = True  # compacted while we waited for the write lock
                         txn.abort()
                         continue
-                    if gen.writemap:
-                        gen.reserve(nbytes)
                     result = fn(txn)
                     txn.commit()
-                    if gen.writemap and nbytes >= _RELEASE_AFTER:
-                        gen.release()
                     return result
                 except lmdb.MapFullError as err:
                     txn.abort()
@@ -495,7 +275,7 @@ class Env:
                             f"{self.path}: LMDB map of {size} bytes is full; delete entries or run "
                             "`promptstore gc`"
                         ) from err
-                    gen.resize(size * 2)
+                    gen.env.set_mapsize(size * 2)
                 except lmdb.Error as err:
                     txn.abort()
                     raise translate(err, gen.dir, "write") from err
@@ -504,24 +284,6 @@ class Env:
                     raise
             finally:
                 self._release(gen)
-
-    def _grow_ahead(self, gen: _Gen, nbytes: int) -> None:
-        """Double a writable map before a write that would not fit (instead
-        of the write failing with MapFullError and running again)."""
-        info = gen.env.info()
-        size = info["map_size"]
-        need = (info["last_pgno"] + 1) * gen.psize + nbytes + nbytes // 64 + _SLACK
-        if need <= size or size >= MAX_MAP_SIZE:
-            return
-        with self._lock:
-            if gen.active != 1:
-                return  # another thread's transaction maps the file: MapFullError handles it
-            while size < need and size * 2 <= MAX_MAP_SIZE:
-                size *= 2
-            try:
-                gen.resize(size)
-            except lmdb.Error as err:
-                raise translate(err, gen.dir, "grow the map") from err
 
     # -- compaction --------------------------------------------------------------
 
@@ -542,7 +304,7 @@ class Env:
                     cur_name = live_dir(self.path)[1]
                     if gen.name != cur_name:
                         continue
-                    before = disk_bytes(gen.dir / "data.mdb")
+                    before = (gen.dir / "data.mdb").stat().st_size
                     n = 0 if gen.name == "." else int(gen.name[4:])
                     new_name = f"gen-{n + 1}"
                     new_dir = self.path / new_name
@@ -558,7 +320,7 @@ class Env:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                    after = disk_bytes(new_dir / "data.mdb")
+                    after = (new_dir / "data.mdb").stat().st_size
                     tmp = self.path / f"{CURRENT}.{os.getpid()}.tmp"
                     tmp.write_text(new_name + "\n")
                     fd = os.open(tmp, os.O_RDONLY)
@@ -605,7 +367,7 @@ class Env:
 
     def close(self) -> None:
         if os.getpid() == self.pid:
-            self._gen.close()
+            self._gen.env.close()
 
 
 def pages_needed(env: lmdb.Environment) -> int:
@@ -613,34 +375,19 @@ def pages_needed(env: lmdb.Environment) -> int:
     return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
 
 
-def check_size(env: lmdb.Environment, where: Path, have: Optional[int] = None) -> None:
+def check_size(env: lmdb.Environment, where: Path) -> None:
     """Refuse a truncated data.mdb: LMDB would touch pages past its end and
-    the process would die of SIGBUS (reproduced on LMDB 0.9.x). ``have``:
-    the file's size before it was opened (a writable map extends it)."""
-    if have is None:
-        try:
-            have = (where / "data.mdb").stat().st_size
-        except OSError:
-            return
+    the process would die of SIGBUS (reproduced on LMDB 0.9.x)."""
+    try:
+        have = (where / "data.mdb").stat().st_size
+    except OSError:
+        return
     need = pages_needed(env)
     if have < need:
         raise StoreUnavailable(
             f"{where / 'data.mdb'} is truncated: {have} bytes, but its pages reach {need}; copy the intact "
             f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
         )
-
-
-def _restore_size(data: Path, size: Optional[int]) -> None:
-    """Give ``data`` back the length it had before a writable-map open
-    extended it (a new, still empty file goes back to length 0); best effort."""
-    try:
-        if size is None:
-            if data.stat().st_blocks == 0:
-                os.truncate(data, 0)  # LMDB then initialises it as a new file
-        elif data.stat().st_size > size:
-            os.truncate(data, size)
-    except OSError:
-        pass
 
 
 def _disk_full(where: Path) -> Optional[str]:

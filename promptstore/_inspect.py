@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
-from promptstore import _entry, _env, _index, _keys
+from promptstore import _entry, _index, _keys
 from promptstore.errors import CorruptEntry, EntryNotFound, ModelMismatch, PromptStoreError
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class InspectMixin:
 
     def file_size(self) -> int:
         """Bytes the LMDB data file takes on disk (it never shrinks by itself)."""
-        return _env.disk_bytes(self.env.dir / "data.mdb")
+        return (self.env.dir / "data.mdb").stat().st_size
 
     def verify(self, fix: bool = False) -> VerifyReport:
         """Check every manifest and checksum; with ``fix``, delete what is broken.

@@ -36,7 +36,7 @@ if sys.platform.startswith("linux"):
         _libc = None
 
 
-def mapped_ranges(data_file: str) -> List[Tuple[int, int]]:
+def _ranges(data_file: str) -> List[Tuple[int, int]]:
     """Address ranges where ``data_file`` is mapped into this process."""
     out = []
     try:
@@ -55,7 +55,7 @@ def releaser(data_file: str, payload: int) -> Optional[Callable[[Any], None]]:
     not possible (not Linux, small payload, mapping not found)."""
     if _libc is None or payload < MIN_PAYLOAD:
         return None
-    ranges = mapped_ranges(os.path.realpath(data_file))
+    ranges = _ranges(os.path.realpath(data_file))
     if not ranges:
         return None
 
@@ -71,13 +71,3 @@ def releaser(data_file: str, payload: int) -> Optional[Callable[[Any], None]]:
         _libc.madvise(start, stop - start, _MADV_DONTNEED)
 
     return release
-
-
-def drop(addr: int, length: int) -> None:
-    """``MADV_DONTNEED`` the pages of ``[addr, addr + length)``, which must lie
-    in a shared file mapping (its data stays in the page cache and the file);
-    a no-op where madvise is not available."""
-    if _libc is None or length <= 0:
-        return
-    start = addr & ~(_PAGE - 1)
-    _libc.madvise(start, (addr + length - start + _PAGE - 1) & ~(_PAGE - 1), _MADV_DONTNEED)

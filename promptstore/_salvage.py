@@ -152,7 +152,7 @@ def salvage(src, dst) -> SalvageReport:
                 except Exception as err:  # lmdb errors on damaged pages included: skip, keep going
                     skipped.append((eid, f"{type(err).__name__}: {err}"))
                     continue
-                out.env.write(lambda txn: _copy_in(out, txn, ekey, raw, man, chunks, used, pinned), nbytes=man.payload)
+                out.env.write(lambda txn: _copy_in(out, txn, ekey, raw, man, chunks, used, pinned))
                 copied.append(eid)
             if budget is not None:
                 out.env.write(lambda txn: txn.put(_budget.BUDGET, _budget._U64.pack(budget), db=out._db[b"info"]))

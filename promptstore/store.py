@@ -252,7 +252,7 @@ class PromptStore(CapacityMixin, InspectMixin):
             # The manifest goes last: an entry is visible whole or not at all.
             txn.put(ekey, manifest, db=self._db[b"entries"])
 
-        self.env.write(write, nbytes=payload + len(manifest))
+        self.env.write(write)
         return EntryInfo(
             id=eid,
             model=model,
