@@ -14,7 +14,6 @@ is returned. Sizes are checked before anything is allocated.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -385,15 +384,6 @@ def read_arrays(
 
 _PIECE = 1 << 20  # hash then copy 1 MiB at a time: the copy reads it from cache
 _STREAMS = threading.local()
-
-
-def _forget_streams() -> None:  # a forked child has none of the parent's mlx threads
-    global _STREAMS
-    _STREAMS = threading.local()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_streams)
 
 
 def _alloc_streams() -> List[Any]:
