@@ -14,7 +14,6 @@ is returned. Sizes are checked before anything is allocated.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -23,8 +22,9 @@ import msgpack
 import numpy as np
 import xxhash
 
+from promptstore import _blank, _fill
 from promptstore.codecs import Encoded, decode_layer
-from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
+from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, StoreError, UnsupportedVersion
 
 FORMAT = 1
 CHUNK = 4 * 1024 * 1024 - 16
@@ -323,16 +323,15 @@ def read_arrays(
     It must be called inside the read transaction that owns the buffers.
     ``release(buf)``, when given, is called on each chunk once its bytes are
     copied (the store drops the chunk's pages from the process's mapping).
-
-    Checksums are taken of the source bytes, a piece at a time, right before
-    the piece is copied, so the copy reads them from the CPU cache. An array
-    inside one chunk is copied by ``mx.array`` straight from the chunk; an
-    array spanning chunks is assembled into an mlx buffer whose allocation
-    (``mx.zeros``, evaluated asynchronously on two CPU streams ahead of the
-    copy: fresh pages cost a fault each) overlaps the copying before it.
     """
-    # Every chunk is present with its exact length before anything is
-    # allocated: a manifest claiming a huge payload costs nothing.
+    return read_mapped(man, chunk_buffers(man, get_chunk, where, release), where, release)
+
+
+def chunk_buffers(
+    man: Manifest, get_chunk: Callable[[int], Any], where: str, release: Optional[Callable[[Any], None]] = None
+) -> List[Any]:
+    """Every chunk, checked present with its exact length before anything
+    is allocated: a manifest claiming a huge payload costs nothing."""
     bufs = []
     for ci in range(man.chunks):
         buf = get_chunk(ci)
@@ -342,38 +341,12 @@ def read_arrays(
         if len(buf) != expect:
             raise CorruptEntry(f"{where}: payload chunk {ci} has {len(buf)} bytes, expected {expect}")
         if release is not None:
-            release(buf)  # reading a value's header can map in all of its pages (large folios)
+            release(buf)  # fetching a value maps all of its pages
         bufs.append(buf)
-    srcs = [np.frombuffer(buf, dtype=np.uint8) for buf in bufs]
-    recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
-    streams = _alloc_streams()
-    spanning = {
-        i: mx.zeros((rec.nbytes,), dtype=mx.uint8, stream=streams[k % len(streams)])
-        for k, (i, (_, rec)) in enumerate((i, r) for i, r in enumerate(recs) if _spans(r[1]))
-    }
-    if spanning:
-        mx.async_eval(list(spanning.values()))
-    # Arrays inside one chunk first: the streams fault in the spanning
-    # destinations meanwhile.
-    flat: List[Optional[mx.array]] = [None] * len(recs)
-    for i, (li, rec) in enumerate(recs):
-        if i in spanning:
-            continue
-        ci, pos = divmod(rec.offset, CHUNK)
-        piece = srcs[ci][pos : pos + rec.nbytes] if rec.nbytes else np.zeros(0, dtype=np.uint8)
-        _verify(xxhash.xxh3_64_intdigest(piece), li, rec, where)
-        flat[i] = mx.array(piece).view(DTYPES[rec.dtype]).reshape(rec.shape)
-        if release is not None and rec.nbytes:
-            release(bufs[ci][pos : pos + rec.nbytes])
-    copied = _Copied(bufs, release)
-    for i, (li, rec) in enumerate(recs):
-        if i not in spanning:
-            continue
-        dest = spanning.pop(i)
-        mx.eval(dest)
-        _verify(_copy_pieces(srcs, rec.offset, rec.nbytes, np.asarray(dest), copied), li, rec, where)
-        flat[i] = dest.view(DTYPES[rec.dtype]).reshape(rec.shape)
-    copied.upto(man.payload + CHUNK)
+    return bufs
+
+
+def _by_layer(man: Manifest, flat: Sequence[mx.array]) -> List[Dict[str, mx.array]]:
     out: List[Dict[str, mx.array]] = []
     i = 0
     for layer in man.layers:
@@ -382,19 +355,110 @@ def read_arrays(
     return out
 
 
+def _empty(rec: ArrayRecord) -> mx.array:
+    return mx.array(np.zeros(0, dtype=np.uint8)).view(DTYPES[rec.dtype]).reshape(rec.shape)
+
+
+_SLAB = 16 << 20  # arrays under CHUNK share buffers of up to this size
+_ALIGN = 64
+
+
+def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> List[Dict[str, mx.array]]:
+    """Read the payload with ``pread`` from the data file, chunk ``i`` being
+    at file offset ``offsets[i]``, into fresh mlx arrays; verify checksums.
+
+    The reads and checksums run on two threads with the GIL released
+    (:mod:`_fill`), into mlx buffers that nothing has written before
+    (:mod:`_blank`). An array of a chunk's size or more gets a buffer of its
+    own; smaller ones (the recurrent and conv states) share buffers of up to
+    16 MiB, each starting on a 64-byte boundary, and are views of them: one
+    buffer costs the loader about 0.1 ms, and a restore can hold thousands
+    of small arrays. Raises CorruptEntry on a checksum mismatch or a file too
+    short, StoreError when reading fails.
+    """
+    recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
+    place: Dict[int, Tuple[int, int]] = {}  # array -> (buffer, start)
+    sizes: List[int] = []
+    slab: Optional[int] = None  # the buffer small arrays go to
+    for i, (_, rec) in enumerate(recs):
+        if rec.nbytes >= CHUNK:
+            place[i] = (len(sizes), 0)
+            sizes.append(rec.nbytes)
+        elif rec.nbytes:
+            start = 0 if slab is None else -(-sizes[slab] // _ALIGN) * _ALIGN
+            if slab is None or start + rec.nbytes > _SLAB:
+                slab, start = len(sizes), 0
+                sizes.append(0)
+            place[i] = (slab, start)
+            sizes[slab] = start + rec.nbytes
+    bufs = _blank.blank(sizes)
+    hosts = [np.asarray(b) for b in bufs]
+    jobs = []
+    for i, (b, start) in place.items():
+        rec = recs[i][1]
+        segments, apos = [], 0
+        while apos < rec.nbytes:
+            ci, cpos = divmod(rec.offset + apos, CHUNK)
+            take = min(rec.nbytes - apos, CHUNK - cpos)
+            segments.append((offsets[ci] + cpos, take))
+            apos += take
+        jobs.append((hosts[b][start : start + rec.nbytes], segments))
+    try:
+        digests = dict(zip(place, _fill.fill(fd, jobs)))
+    except _fill.ShortRead as err:
+        raise CorruptEntry(f"{where}: {err}") from err
+    except OSError as err:
+        raise StoreError(f"{where}: reading the data file failed: {err}") from err
+    flat = []
+    for i, (li, rec) in enumerate(recs):
+        if i not in place:
+            flat.append(_empty(rec))
+            continue
+        _verify(digests[i], li, rec, where)
+        b, start = place[i]
+        whole = bufs[b] if start == 0 and rec.nbytes == sizes[b] else bufs[b][start : start + rec.nbytes]
+        flat.append(whole.view(DTYPES[rec.dtype]).reshape(rec.shape))
+    return _by_layer(man, flat)
+
+
+def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Callable[[Any], None]] = None) -> List[Dict[str, mx.array]]:
+    """Copy the payload out of the chunk buffers (see :func:`chunk_buffers`)
+    on this thread, verifying checksums.
+
+    Checksums are taken of the source bytes, a piece at a time, right before
+    the piece is copied, so the copy reads them from the CPU cache. An array
+    inside one chunk is copied by ``mx.array`` straight from the chunk; an
+    array spanning chunks is assembled into an mlx buffer that nothing has
+    written before (:mod:`_blank`).
+    """
+    recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
+    srcs = [np.frombuffer(buf, dtype=np.uint8) for buf in bufs]
+    spanning = [i for i, (_, rec) in enumerate(recs) if _spans(rec)]
+    dests = dict(zip(spanning, _blank.blank([recs[i][1].nbytes for i in spanning])))
+    flat: List[Optional[mx.array]] = [None] * len(recs)
+    for i, (li, rec) in enumerate(recs):
+        if i in dests:
+            continue
+        if not rec.nbytes:
+            flat[i] = _empty(rec)
+            continue
+        ci, pos = divmod(rec.offset, CHUNK)
+        piece = srcs[ci][pos : pos + rec.nbytes]
+        _verify(xxhash.xxh3_64_intdigest(piece), li, rec, where)
+        flat[i] = mx.array(piece).view(DTYPES[rec.dtype]).reshape(rec.shape)
+        if release is not None:
+            release(bufs[ci][pos : pos + rec.nbytes])
+    copied = _Copied(bufs, release)
+    for i in spanning:
+        li, rec = recs[i]
+        dest = dests.pop(i)
+        _verify(_copy_pieces(srcs, rec.offset, rec.nbytes, np.asarray(dest), copied), li, rec, where)
+        flat[i] = dest.view(DTYPES[rec.dtype]).reshape(rec.shape)
+    copied.upto(man.payload + CHUNK)
+    return _by_layer(man, flat)  # type: ignore[arg-type]
+
+
 _PIECE = 1 << 20  # hash then copy 1 MiB at a time: the copy reads it from cache
-_STREAMS = threading.local()
-
-
-def _alloc_streams() -> List[Any]:
-    """Two CPU streams (two mlx worker threads) that fault in fresh
-    destination pages side by side; made on first use in each thread:
-    an mlx stream belongs to the thread that made it (using one from
-    another thread raises "There is no Stream(cpu, N) in current thread")."""
-    streams = getattr(_STREAMS, "streams", None)
-    if streams is None:
-        streams = _STREAMS.streams = [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)]
-    return streams
 
 
 def _spans(rec: ArrayRecord) -> bool:

@@ -41,6 +41,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
 import lmdb
 
+from promptstore import _pages
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
 
 T = TypeVar("T")
@@ -83,6 +84,20 @@ class _Gen:
     def __init__(self, env: lmdb.Environment, db: Dict[bytes, object], name: str, where: Path):
         self.env, self.db, self.name, self.dir = env, db, name, where
         self.active = 0
+        self._data: Optional[_pages.DataFile] = None
+        self._data_lock = threading.Lock()
+
+    def data_file(self) -> _pages.DataFile:
+        with self._data_lock:
+            if self._data is None:
+                self._data = _pages.DataFile(str(self.dir / "data.mdb"))
+            return self._data
+
+    def close(self) -> None:
+        with self._data_lock:
+            if self._data is not None:
+                self._data.close()
+        self.env.close()
 
 
 class Env:
@@ -205,7 +220,7 @@ class Env:
                         self._lock.wait(0.05)  # a write must wait for this process's open txns
                     if not self._gen.active:  # else: a read in an older, consistent snapshot
                         new = self._open_live()
-                        self._gen.env.close()
+                        self._gen.close()
                         self._gen = new
                         self.env = new.env
                         self.db.clear()
@@ -365,9 +380,14 @@ class Env:
             if suffix.isdigit() and int(suffix) <= upto and d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
 
+    def data_file(self) -> _pages.DataFile:
+        """The live generation's data file as mapped here (call inside a
+        transaction, which pins the generation)."""
+        return self._gen.data_file()
+
     def close(self) -> None:
         if os.getpid() == self.pid:
-            self._gen.env.close()
+            self._gen.close()
 
 
 def pages_needed(env: lmdb.Environment) -> int:

@@ -1,0 +1,170 @@
+"""Filling restore buffers straight from the data file, on two threads.
+
+Copying a payload out of LMDB's memory map costs a page-table entry per
+source page: each restore faults the pages in and (to keep the resident set
+at one copy) drops them again. ``pread(2)`` from the same file copies out of
+the page cache inside the kernel with no source mapping at all, and, with
+the GIL released, two threads do it at once, as mlx's own loader does. Each
+thread checksums what it has just read (xxh3-64 over 1 MiB pieces, while
+they are in its CPU cache) through the C library the ``xxhash`` package is
+built on, called by ctypes, which also releases the GIL.
+
+The offsets read are those of pages the caller's read transaction holds, so
+the caller waits for every job inside that transaction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from promptstore import _pages
+
+PIECE = 1 << 20  # read then hash 1 MiB at a time: the hash reads it from cache
+_WORKERS = 2
+_MADV_POPULATE_WRITE = 23
+_POPULATE_MIN = 1 << 20
+
+
+def _load_xxh3() -> Optional[ctypes.CDLL]:
+    """The XXH3 streaming functions, or None: from the ``xxhash`` package's
+    extension (it exports libxxhash's symbols), else the system library."""
+    candidates = []
+    try:
+        import xxhash._xxhash as ext
+
+        candidates.append(ext.__file__)
+    except (ImportError, AttributeError):
+        pass
+    candidates.append("libxxhash.so.0")
+    for name in candidates:
+        try:
+            lib = ctypes.CDLL(name)
+            lib.XXH3_createState.restype = ctypes.c_void_p
+            lib.XXH3_createState.argtypes = ()
+            lib.XXH3_freeState.argtypes = (ctypes.c_void_p,)
+            lib.XXH3_64bits_reset.argtypes = (ctypes.c_void_p,)
+            lib.XXH3_64bits_update.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+            lib.XXH3_64bits_digest.restype = ctypes.c_uint64
+            lib.XXH3_64bits_digest.argtypes = (ctypes.c_void_p,)
+        except (OSError, AttributeError):
+            continue
+        if _selftest(lib):
+            return lib
+    return None
+
+
+def _selftest(lib: ctypes.CDLL) -> bool:
+    """The library computes what the ``xxhash`` package computes (the
+    checksums in every manifest), in pieces and whole."""
+    import xxhash
+
+    data = np.frombuffer(bytes(range(256)) * 1031, dtype=np.uint8)
+    return _digest(lib, data, [(0, 1000), (1000, data.size - 1000)]) == xxhash.xxh3_64_intdigest(data)
+
+
+def _digest(lib: ctypes.CDLL, host: np.ndarray, pieces: Sequence[Tuple[int, int]]) -> int:
+    state = lib.XXH3_createState()
+    if not state:
+        raise MemoryError("XXH3_createState failed")
+    try:
+        lib.XXH3_64bits_reset(state)
+        base = host.ctypes.data
+        for pos, n in pieces:
+            lib.XXH3_64bits_update(state, base + pos, n)
+        return int(lib.XXH3_64bits_digest(state))
+    finally:
+        lib.XXH3_freeState(state)
+
+
+_XXH3 = _load_xxh3()
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def available() -> bool:
+    return _XXH3 is not None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="promptstore-fill")
+        return _pool
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _populate(addr: int, n: int) -> None:
+    """Fault in a fresh destination's pages in one call
+    (``MADV_POPULATE_WRITE``, Linux 5.14+; elsewhere a no-op) rather than
+    one page fault at a time inside ``pread``: an 880 MB restore into fresh
+    memory measured 0.24-0.27 s instead of 0.27-0.30 s here."""
+    if _pages._libc is None or n < _POPULATE_MIN:
+        return
+    lo, hi = (addr + _pages._PAGE - 1) & ~(_pages._PAGE - 1), (addr + n) & ~(_pages._PAGE - 1)
+    if hi > lo:
+        _pages._libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
+
+
+class ShortRead(Exception):
+    """The file ended before a segment did."""
+
+    def __init__(self, offset: int, length: int):
+        super().__init__(f"the data file ends inside bytes [{offset}, {offset + length})")
+
+
+def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]]) -> int:
+    """Read ``segments`` (file offset, length) back to back into ``host``;
+    return the xxh3-64 of ``host``."""
+    assert _XXH3 is not None
+    state = _XXH3.XXH3_createState()
+    if not state:
+        raise MemoryError("XXH3_createState failed")
+    try:
+        _XXH3.XXH3_64bits_reset(state)
+        base, pos = host.ctypes.data, 0
+        _populate(base, host.nbytes)
+        view = memoryview(host)
+        for offset, length in segments:
+            done = 0
+            while done < length:
+                n = min(PIECE, length - done)
+                got = 0
+                while got < n:
+                    r = os.preadv(fd, [view[pos + got : pos + n]], offset + done + got)
+                    if r <= 0:
+                        raise ShortRead(offset + done + got, n - got)
+                    got += r
+                _XXH3.XXH3_64bits_update(state, base + pos, n)
+                pos += n
+                done += n
+        return int(_XXH3.XXH3_64bits_digest(state))
+    finally:
+        _XXH3.XXH3_freeState(state)
+
+
+def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]]]]) -> List[int]:
+    """Run every ``(host, segments)`` job on the pool; return their digests
+    in order. Returns (or raises the first job's error) only once every job
+    has finished, so no thread still writes or reads when it does."""
+    order = sorted(range(len(jobs)), key=lambda k: -jobs[k][0].nbytes)  # longest first: the two threads end together
+    pool = _executor()
+    futures: List[Optional[Future]] = [None] * len(jobs)
+    for k in order:
+        futures[k] = pool.submit(_job, fd, *jobs[k])
+    wait([f for f in futures if f is not None])
+    return [f.result() for f in futures if f is not None]

@@ -1,0 +1,131 @@
+"""The large-entry read path: pread on two threads into unwritten mlx
+buffers, with chunk offsets remembered between restores of one entry."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from promptstore import CorruptEntry, PromptStore, _blank, _entry, _fill, _keys, _pages
+from promptstore import _bench_data as data
+from _bits import bits_equal
+
+MODEL = "m@1"
+
+
+@pytest.fixture()
+def entry(tmp_path):
+    cache = data.hybrid_cache(data.QUICK, 1024, seed=11)
+    tokens = list(range(1, 1025))
+    store = PromptStore(tmp_path / "s")
+    info = store.put(MODEL, tokens, cache)
+    assert info.nbytes >= _pages.MIN_PAYLOAD
+    ekey = _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens))
+    yield store, cache, tokens, ekey
+    store.close()
+
+
+def _same(cache, restored):
+    for x, y in zip(cache, restored, strict=True):
+        for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and bits_equal(a, b).item()
+
+
+def _located(store):
+    with store.env.read():
+        return dict(store.env.data_file().located)
+
+
+def test_the_fast_path_is_available_here(entry):
+    store = entry[0]
+    assert _fill.available()  # else every large restore silently takes the mapped copy
+    with store.env.read():
+        assert store.env.data_file().fd is not None
+
+
+def test_a_second_restore_reads_the_remembered_offsets(entry):
+    store, cache, tokens, _ = entry
+    assert _located(store) == {}
+    _same(cache, store.get(MODEL, tokens))
+    first = _located(store)
+    assert len(first) == 1
+    _same(cache, store.get(MODEL, tokens))
+    assert _located(store) == first
+
+
+def test_stale_offsets_fall_back_to_lmdb_and_are_found_again(entry):
+    store, cache, tokens, _ = entry
+    store.get(MODEL, tokens)
+    ((key, offsets),) = _located(store).items()
+    with store.env.read():
+        data_file = store.env.data_file()
+        data_file.remember(key, [o + 4096 for o in offsets])  # as if the entry had moved
+    _same(cache, store.get(MODEL, tokens))
+    assert _located(store) == {key: offsets}
+
+
+def test_a_rewritten_entry_is_not_read_at_its_old_offsets(entry):
+    store, cache, tokens, _ = entry
+    store.get(MODEL, tokens)
+    other = data.hybrid_cache(data.QUICK, 1024, seed=12)
+    store.put(MODEL, tokens, other)
+    _same(other, store.get(MODEL, tokens))
+
+
+def test_bytes_damaged_on_disk_are_caught_after_offsets_are_remembered(entry):
+    store, _, tokens, ekey = entry
+    store.get(MODEL, tokens)
+    ((_, offsets),) = _located(store).items()
+    path = store.env.dir / "data.mdb"
+    fd = os.open(path, os.O_RDWR)
+    try:
+        at = offsets[1] + 12345
+        (byte,) = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([byte ^ 0x04]), at)
+    finally:
+        os.close(fd)
+    with pytest.raises(CorruptEntry, match="checksum mismatch"):
+        store.get(MODEL, tokens)
+    with pytest.raises(CorruptEntry, match="checksum mismatch"):  # and again, through LMDB
+        store.get(MODEL, tokens)
+
+
+def test_pread_and_mapped_copy_give_the_same_arrays(entry):
+    store, cache, tokens, ekey = entry
+    with store.env.read(buffers=True) as txn:
+        man = store._manifest(txn, ekey)
+        data_file = store.env.data_file()
+        bufs = _entry.chunk_buffers(man, lambda i: txn.get(ekey + _keys.u32(i), db=store._db[b"chunks"]), "t")
+        via_file = _entry.read_file(man, data_file.fd, [data_file.offset(b) for b in bufs], "t")
+        via_map = _entry.read_mapped(man, bufs, "t")
+        mx.eval([a for d in via_file + via_map for a in d.values()])
+    for x, y in zip(via_file, via_map, strict=True):
+        assert x.keys() == y.keys()
+        for name in x:
+            assert bits_equal(x[name], y[name]).item()
+
+
+def test_a_short_file_is_a_corrupt_entry(entry):
+    store, _, tokens, _ = entry
+    store.get(MODEL, tokens)
+    ((key, offsets),) = _located(store).items()
+    size = os.path.getsize(store.env.dir / "data.mdb")
+    man_key = key
+    with store.env.read(buffers=True) as txn:
+        man = store._manifest(txn, man_key[0])
+        with pytest.raises(CorruptEntry, match="ends inside"):
+            _entry.read_file(man, store.env.data_file().fd, [size - 100] * len(offsets), "t")
+
+
+def test_blank_buffers_have_their_sizes_and_take_writes():
+    sizes = [1, 63, 4096, 5 << 20]
+    out = _blank.blank(sizes)
+    assert [a.size for a in out] == sizes and all(a.dtype == mx.uint8 for a in out)
+    for n, a in zip(sizes, out):
+        host = np.asarray(a)
+        host[:] = np.arange(n) % 251
+        assert np.array_equal(np.asarray(a), np.arange(n) % 251)
+    assert _blank.blank([]) == []
