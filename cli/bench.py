@@ -88,7 +88,10 @@ def render(res: Dict[str, Any]) -> str:
         "its own) and every reference file is kept, so both sides take new "
         "space (on this VM, first-touched memory for the page cache is what that costs). mlx-lm's save is "
         "followed by an fsync of the file so both sides are durable. "
-        "The operations run interleaved, one of each per round, in a fresh process per cache size. "
+        "The operations run interleaved, one of each per round, every other round in reverse order, in a "
+        "fresh process per cache size; before each of the first set (put, write, save, fresh get/load/read/"
+        "memcpy) N bytes are touched and freed, so each starts with the same warm free memory (on this VM, "
+        "memory freed seconds earlier goes back to the host and costs host faults to touch again). "
         "Bytes written per put: /proc/self/io write_bytes of one put (payload, manifest, index, LMDB pages).")
     add("")
     if res.get("throughput_hugetlb"):

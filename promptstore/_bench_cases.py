@@ -178,7 +178,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
             "file_read": (release(True), file_read),
             "memcpy_fresh": (release(True), lambda: np.copyto(np.empty_like(src), src)),
         }
-        out.update(interleaved(fresh, repeats))
+        out.update(interleaved({name: (_then_level(before, nbytes), fn) for name, (before, fn) in fresh.items()}, repeats))
         out["put_written_per_put"] = int(statistics.median(written))
         release(True)()
         # With the mlx buffer cache: room for the buffers of the previous repeat.
@@ -214,11 +214,40 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
     return out
 
 
+def level_memory(nbytes: int) -> None:
+    """Leave ``nbytes`` of warm free memory in the kernel before a *fresh*
+    operation (touch them, then free them).
+
+    On this machine class (a VM whose virtio balloon reports free 2 MiB
+    blocks to the host) memory the guest freed a few seconds earlier is
+    returned to the host, and touching it again costs a host fault on top
+    of the guest's. Without this, a fresh operation paid that or not by
+    what ran before it: on the 32K cache the copy inside a fresh get took
+    0.97-1.03 s when the get came right after the puts, 0.13-0.17 s when
+    every fresh operation started like this.
+    """
+    warm = np.ones(nbytes, dtype=np.uint8)
+    del warm
+
+
+def _then_level(before: Optional[Callable[[], Any]], nbytes: int) -> Callable[[], None]:
+    def fn() -> None:
+        if before is not None:
+            before()
+        level_memory(nbytes)
+
+    return fn
+
+
 def interleaved(ops: Dict[str, Any], repeats: int, warmup: int = 0) -> Dict[str, float]:
     """Median time of each ``(before, fn)`` in ``ops``, run one of each per round."""
     times: Dict[str, List[float]] = {name: [] for name in ops}
     for r in range(warmup + repeats):
-        for name, (before, fn) in ops.items():
+        # Every other round in reverse, so that no operation always runs
+        # after the same one (whatever it leaves behind: freed heap memory
+        # glibc hands back without a fault, pages in the CPU cache).
+        order = list(ops.items()) if r % 2 == 0 else list(ops.items())[::-1]
+        for name, (before, fn) in order:
             if before is not None:
                 before()
             gc.collect()

@@ -79,6 +79,18 @@ def _fake(get_s=1.0, load_s=1.5, memcpy_s=0.6, put_s=1.0, file_s=0.9, rss=1.2e9,
     }
 
 
+def test_interleaved_rounds_alternate_order_and_run_befores_first():
+    from promptstore._bench_cases import interleaved
+
+    calls = []
+    ops = {name: (lambda n=name: calls.append("before-" + n), lambda n=name: calls.append(n)) for name in "abc"}
+    out = interleaved(ops, repeats=3, warmup=1)
+    assert set(out) == set("abc") and all(t >= 0 for t in out.values())
+    ran = [c for c in calls if not c.startswith("before-")]
+    assert ran == list("abc" "cba" "abc" "cba")
+    assert all(calls[i] == "before-" + calls[i + 1] for i in range(0, len(calls), 2))
+
+
 def test_targets_pass_at_their_bounds():
     judged = {t["name"]: t for t in targets(_fake())}
     assert all(t["ok"] for t in judged.values()), judged
