@@ -19,7 +19,7 @@ import ctypes
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -163,8 +163,10 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]]]]) 
     has finished, so no thread still writes or reads when it does."""
     order = sorted(range(len(jobs)), key=lambda k: -jobs[k][0].nbytes)  # longest first: the two threads end together
     pool = _executor()
-    futures: List[Optional[Future]] = [None] * len(jobs)
-    for k in order:
-        futures[k] = pool.submit(_job, fd, *jobs[k])
-    wait([f for f in futures if f is not None])
-    return [f.result() for f in futures if f is not None]
+    futures: Dict[int, Future] = {}
+    try:
+        for k in order:
+            futures[k] = pool.submit(_job, fd, *jobs[k])
+    finally:
+        wait(list(futures.values()))  # even when a submit failed: nothing may still run
+    return [futures[k].result() for k in range(len(jobs))]
