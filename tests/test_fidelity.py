@@ -42,6 +42,21 @@ def test_restore_continues_bit_identically(name, store_path):
     assert len(set(toks)) > 1  # the model is not degenerate, so equality means something
 
 
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_restore_through_the_pread_path_continues_bit_identically(name, store_path, monkeypatch):
+    """The fixtures are far below the 8 MiB where a restore switches to pread on
+    two threads, with small arrays as views of shared buffers: lower the
+    threshold so the real models run on that path too."""
+    from promptstore import _entry, _pages
+
+    monkeypatch.setattr(_pages, "MIN_PAYLOAD", 0)
+    calls = []
+    real = _entry.read_file
+    monkeypatch.setattr(_entry, "read_file", lambda *a: calls.append(1) or real(*a))
+    _run(name, store_path)
+    assert calls  # restored through read_file, not the mapped copy
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
 def test_quantized_kv_restore_continues_bit_identically(name, store_path):
     _run(name, store_path, kv_bits=4)
