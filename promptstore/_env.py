@@ -381,9 +381,13 @@ class Env:
                 shutil.rmtree(d, ignore_errors=True)
 
     def data_file(self) -> _pages.DataFile:
-        """The live generation's data file as mapped here (call inside a
-        transaction, which pins the generation)."""
-        return self._gen.data_file()
+        """The live generation's data file as mapped here, its mapping re-read
+        if the map was resized since (call inside a transaction, which pins
+        the generation and its map)."""
+        gen = self._gen
+        data = gen.data_file()
+        data.refresh(gen.env.info()["map_size"])
+        return data
 
     def close(self) -> None:
         if os.getpid() == self.pid:

@@ -164,7 +164,7 @@ class InspectMixin:
                     man = _entry.unpack_manifest(raw, f"{self.path} entry {eid}")
                     if man.entry_id != eid or _keys.model_id(man.model) != ekey[:16] or _keys.entry_key(ekey[:16], man.tokens) != ekey:
                         raise CorruptEntry(f"entry {eid}: manifest does not match its key")
-                    self._restore(txn, ekey, man)
+                    self._restore(txn, ekey, man, remembered=False)
             except PromptStoreError as err:
                 problems.append((eid, str(err)))
                 bad[ekey] = raw

@@ -76,11 +76,24 @@ class DataFile:
 
     def __init__(self, data_file: str):
         self.path = os.path.realpath(data_file)
-        self.spans: List[Span] = _spans(self.path) if sys.platform.startswith("linux") else []
+        self.spans: List[Span] = []
+        self.map_size = -1
+        self.refresh()
         self._fd: Optional[int] = None
         self._opened = False
         self._lock = threading.Lock()
         self.located: Dict[Any, List[int]] = {}  # entry -> chunk file offsets, see store._restore
+
+    def refresh(self, map_size: Optional[int] = None) -> None:
+        """Re-read the mapping (always, or when ``map_size`` differs from the
+        size it was read at: LMDB maps the file again on every resize, maybe
+        over the old addresses, and a buffer there must not be taken for a
+        page of the old map)."""
+        if map_size is not None and map_size == self.map_size:
+            return
+        self.spans = _spans(self.path) if sys.platform.startswith("linux") else []
+        if map_size is not None:
+            self.map_size = map_size
 
     def span(self, buf: Any) -> Optional[Tuple[int, int, int]]:
         """``(address, end of its span, file offset)`` of a buffer lying

@@ -346,7 +346,9 @@ class PromptStore(CapacityMixin, InspectMixin):
             return None
         return _entry.unpack_manifest(bytes(raw), f"{self.path} entry {_keys.entry_id(ekey)}")
 
-    def _restore(self, txn, ekey: bytes, man: _entry.Manifest) -> List[Any]:
+    def _restore(self, txn, ekey: bytes, man: _entry.Manifest, remembered: bool = True) -> List[Any]:
+        """The entry's cache, read and checked inside ``txn``. ``remembered=False``
+        (verify) always goes through LMDB, checking every chunk's presence and length."""
         where = f"{self.path} entry {man.entry_id}"
         chunks = self._db[b"chunks"]
 
@@ -356,25 +358,31 @@ class PromptStore(CapacityMixin, InspectMixin):
         if man.payload < _pages.MIN_PAYLOAD:
             arrays = _entry.read_arrays(man, get_chunk, where)
         else:
-            arrays = self._read_large(self.env.data_file(), ekey, man, get_chunk, where)
+            arrays = self._read_large(self.env.data_file(), ekey, man, get_chunk, where, remembered)
         return _entry.decode_layers(man, arrays, where)
 
-    def _read_large(self, data: _pages.DataFile, ekey: bytes, man: _entry.Manifest, get_chunk, where: str) -> List[Any]:
+    def _read_large(
+        self, data: _pages.DataFile, ekey: bytes, man: _entry.Manifest, get_chunk, where: str, remembered: bool = True
+    ) -> List[Any]:
         """A large payload, read with ``pread`` where possible.
 
         Fetching a chunk through py-lmdb maps all of its pages (it preloads
-        values) only for them to be dropped again: for a 880 MB entry that
-        was 50-90 ms of a 150 ms warm restore. So the file offsets of an
+        values), only for them to be dropped again. So the file offsets of an
         entry's chunks are remembered, keyed by the entry and its manifest's
-        creation time and size, and a later restore of the same entry reads
-        them directly. The offsets can only be stale if the entry was
-        rewritten since, at the same key, with the same creation time; then
-        the checksums fail and the restore is redone through LMDB, which
-        also reports a genuinely damaged entry as such.
+        creation time and size, and a later get of the same entry reads them
+        directly. Only overflow pages are remembered (every chunk at least a
+        page long): LMDB never moves those while their value stands, whereas
+        a small value lives in a leaf page that any later write may copy. The
+        offsets are stale only if the entry was rewritten since, at the same
+        key, with the same creation time; then the checksums fail and the
+        restore is redone through LMDB, which also reports real damage. A
+        failure on offsets just computed is checked again by copying out of
+        the map, so a wrong offset can never make a healthy entry look
+        damaged.
         """
         fd = data.fd if _fill.available() else None
         key = (ekey, man.created, man.payload, man.chunks)
-        offsets = data.located.get(key) if fd is not None else None
+        offsets = data.located.get(key) if fd is not None and remembered else None
         if offsets is not None:
             try:
                 return _entry.read_file(man, fd, offsets, where)
@@ -384,8 +392,13 @@ class PromptStore(CapacityMixin, InspectMixin):
         found = [data.offset(b) for b in bufs]
         if fd is None or any(o is None for o in found):
             return _entry.read_mapped(man, bufs, where, data.release)
-        arrays = _entry.read_file(man, fd, found, where)  # type: ignore[arg-type]
-        data.remember(key, found)  # type: ignore[arg-type]
+        try:
+            arrays = _entry.read_file(man, fd, found, where)  # type: ignore[arg-type]
+        except CorruptEntry:
+            data.refresh()
+            return _entry.read_mapped(man, bufs, where, data.release)
+        if min(len(b) for b in bufs) >= _pages._PAGE:
+            data.remember(key, found)  # type: ignore[arg-type]
         return arrays
 
     def _info(self, txn, ekey: bytes, man: _entry.Manifest) -> EntryInfo:

@@ -129,3 +129,58 @@ def test_blank_buffers_have_their_sizes_and_take_writes():
         host[:] = np.arange(n) % 251
         assert np.array_equal(np.asarray(a), np.arange(n) % 251)
     assert _blank.blank([]) == []
+
+
+def test_offsets_from_a_stale_mapping_never_make_a_healthy_entry_corrupt(entry):
+    store, cache, tokens, _ = entry
+    with store.env.read():
+        data_file = store.env.data_file()
+        # As if LMDB had mapped the file again over other addresses (a resize):
+        # every buffer still falls inside the spans, at the wrong file offset.
+        data_file.spans = [(lo, hi, off + 8192, dev, ino) for lo, hi, off, dev, ino in data_file.spans]
+    _same(cache, store.get(MODEL, tokens))  # read_file fails its checksums, the mapped copy is exact
+    assert _located(store) == {}  # and nothing wrong was remembered
+
+
+def test_a_map_resize_rereads_the_mapping(entry):
+    store, cache, tokens, _ = entry
+    store.get(MODEL, tokens)
+    with store.env.read():
+        before = store.env.data_file().map_size
+    store.env.env.set_mapsize(before * 2)  # what a MapFullError in a write does
+    with store.env.read():
+        data_file = store.env.data_file()
+        assert data_file.map_size == before * 2
+        assert data_file.spans == _pages._spans(data_file.path)
+    _same(cache, store.get(MODEL, tokens))
+
+
+def test_an_entry_with_a_small_last_chunk_is_not_remembered(tmp_path):
+    # A value shorter than a page lives in a leaf page, which any later write may copy elsewhere.
+    arrays = mx.array(np.arange(3 * (_entry.CHUNK + 16) // 2, dtype=np.uint16))
+    from mlx_lm.models.cache import ArraysCache
+
+    layer = ArraysCache(size=1)
+    layer[0] = arrays.reshape(1, -1)
+    with PromptStore(tmp_path / "s") as store:
+        info = store.put(MODEL, [1, 2, 3], [layer])
+        assert info.nbytes % _entry.CHUNK < 4096 and info.nbytes >= _pages.MIN_PAYLOAD
+        restored = store.get(MODEL, [1, 2, 3])
+        assert bits_equal(restored[0][0], layer[0]).item()
+        assert _located(store) == {}
+
+
+def test_verify_reads_through_lmdb_even_with_remembered_offsets(entry):
+    store, _, tokens, ekey = entry
+    store.get(MODEL, tokens)
+    assert len(_located(store)) == 1
+    key = ekey + _keys.u32(1)
+
+    def damage(txn):  # rewritten in LMDB (new pages), manifest untouched
+        raw = bytearray(txn.get(key, db=store._db[b"chunks"]))
+        raw[100] ^= 0x01
+        txn.put(key, bytes(raw), db=store._db[b"chunks"])
+
+    store.env.write(damage)
+    report = store.verify()
+    assert len(report.problems) == 1 and "checksum mismatch" in str(report.problems[0])
