@@ -211,14 +211,16 @@ class Env:
                     self._sig = sig
                 else:
                     deadline = time.monotonic() + 60
-                    while self._gen.active and force:
+                    while self._gen.active and force and self._gen.dir != where:
                         if time.monotonic() > deadline:
                             raise StoreUnavailable(
                                 f"{self.path}: the store was compacted but this process keeps a transaction "
                                 "open on the old generation; finish it (no write inside a read) and retry"
                             )
                         self._lock.wait(0.05)  # a write must wait for this process's open txns
-                    if not self._gen.active:  # else: a read in an older, consistent snapshot
+                    # The lock was released while waiting: another thread may have switched.
+                    where, _ = live_dir(self.path)
+                    if where != self._gen.dir and not self._gen.active:  # else: a read in an older, consistent snapshot
                         new = self._open_live()
                         self._gen.close()
                         self._gen = new

@@ -43,3 +43,42 @@ def test_gets_from_several_threads_at_once_are_exact(tmp_path):
         for t in threads:
             t.join()
         assert not errors, errors
+
+
+def test_compacting_in_one_thread_while_others_get(tmp_path):
+    """A compaction waits for this process's open transactions, dropping its
+    lock meanwhile; a reader that switched generations in that window made the
+    compacting thread open the new generation twice ("already open")."""
+    import time
+
+    caches = [data.hybrid_cache(data.QUICK, 1024, seed=s) for s in range(2)]
+    toks = [[s + 1] + list(range(2, 1025)) for s in range(2)]
+    with PromptStore(tmp_path / "s") as store:
+        for t, c in zip(toks, caches):
+            store.put(MODEL, t, c)
+        stop = time.monotonic() + 5
+        errors, gets, compactions = [], [0], [0]
+
+        def reader(k):
+            try:
+                while time.monotonic() < stop:
+                    assert same_cache(store.get(MODEL, toks[k % 2]), caches[k % 2])
+                    gets[0] += 1
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+
+        def compacter():
+            try:
+                while time.monotonic() < stop:
+                    store.env.compact()
+                    compactions[0] += 1
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(3)] + [threading.Thread(target=compacter)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert compactions[0] >= 3 and gets[0] >= 10
