@@ -168,5 +168,20 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]]]]) 
         for k in order:
             futures[k] = pool.submit(_job, fd, *jobs[k])
     finally:
-        wait(list(futures.values()))  # even when a submit failed: nothing may still run
+        _wait_all(list(futures.values()))  # even when a submit failed: nothing may still run
     return [futures[k].result() for k in range(len(jobs))]
+
+
+def _wait_all(futures: List[Future]) -> None:
+    """Wait until every future is done, even through KeyboardInterrupt (the
+    jobs write into the caller's buffers and read pages its transaction
+    holds); an interruption is re-raised once they are."""
+    interrupted: Optional[BaseException] = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            interrupted = err
+    if interrupted is not None:
+        raise interrupted
