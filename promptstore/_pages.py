@@ -68,8 +68,9 @@ def _spans(path: str) -> List[Span]:
 class DataFile:
     """One generation's ``data.mdb`` as this process maps it.
 
-    Thread-safe. The spans are re-read from /proc/self/maps whenever a buffer
-    lies outside them (LMDB remaps the file when the map is resized).
+    Thread-safe. The spans are re-read from /proc/self/maps when the map size
+    changed since they were read (:meth:`refresh`, called by ``Env.data_file``)
+    and whenever a buffer lies outside them.
     """
 
     LOCATED_MAX = 4096
