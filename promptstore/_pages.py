@@ -28,11 +28,11 @@ import mmap
 import os
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-MIN_PAYLOAD = 8 << 20  # below this the saving is small and the maps scan not worth it
+MIN_PAYLOAD = 8 << 20  # smaller entries are copied out of the map: the maps scan, fd and threads are not worth it
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
 _libc = None
@@ -78,8 +78,7 @@ class DataFile:
     def __init__(self, data_file: str):
         self.path = os.path.realpath(data_file)
         self.spans: List[Span] = []
-        self.map_size = -1
-        self.refresh()
+        self.map_size = -1  # the spans are read on the first refresh(map_size)
         self._fd: Optional[int] = None
         self._opened = False
         self._lock = threading.Lock()
@@ -167,12 +166,3 @@ class DataFile:
                 os.close(self._fd)
             self._fd, self._opened = None, True
             self.located.clear()
-
-
-def releaser(data_file: str, payload: int) -> Optional[Callable[[Any], None]]:
-    """A ``release(buf)`` for ``read_arrays``, or None when not worth it or
-    not possible (not Linux, small payload, mapping not found)."""
-    if _libc is None or payload < MIN_PAYLOAD:
-        return None
-    found = DataFile(data_file)
-    return found.release if found.spans else None

@@ -251,13 +251,16 @@ def test_restore_leaves_no_lmdb_pages_mapped(big_entry):
 
 def test_release_ignores_memory_outside_the_map(big_entry, tmp_path):
     store = big_entry[0]
-    release = _pages.releaser(str(store.path / "data.mdb"), 1 << 30)
-    assert release is not None
+    data_file = _pages.DataFile(str(store.path / "data.mdb"))
+    data_file.refresh()
+    assert data_file.spans
+    release = data_file.release
     private = bytearray(b"\x5a" * (1 << 20))
     release(memoryview(private))  # DONTNEED here would zero private memory
     assert private == bytearray(b"\x5a" * (1 << 20))
-    assert _pages.releaser(str(store.path / "data.mdb"), 1024) is None  # small payloads: not worth it
-    assert _pages.releaser(str(tmp_path / "not-mapped.mdb"), 1 << 30) is None
+    elsewhere = _pages.DataFile(str(tmp_path / "not-mapped.mdb"))
+    elsewhere.refresh()
+    assert elsewhere.spans == [] and elsewhere.offset(memoryview(private)) is None and elsewhere.fd is None
 
 
 def test_peak_rss_of_a_restore_stays_under_one_and_a_quarter_n(tmp_path):
