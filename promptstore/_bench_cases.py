@@ -24,6 +24,7 @@ import numpy as np
 
 from promptstore import _bench_data as data
 from promptstore import _entry
+from promptstore._bits import bits_equal
 from promptstore.store import PromptStore
 
 MODEL = "bench-qwen3-next-80b-shaped@0"
@@ -227,22 +228,13 @@ def level_memory(nbytes: int) -> None:
     del warm
 
 
-_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
-
 def _bits_exact(cache: Sequence[Any], restored: Sequence[Any]) -> bool:
-    """Same dtypes, shapes and bits in every array (``mx.array_equal`` alone
-    compares values: -0.0 equals 0.0 and NaN nothing)."""
-    for x, y in zip(cache, restored, strict=True):
-        for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True):
-            if a.dtype != b.dtype or a.shape != b.shape:
-                return False
-            if a.dtype != mx.bool_:
-                u = _UINT[a.dtype.size]
-                a, b = a.view(u), b.view(u)
-            if not mx.array_equal(a, b).item():
-                return False
-    return True
+    """Same dtypes, shapes and bits in every array."""
+    return all(
+        bits_equal(a, b).item()
+        for x, y in zip(cache, restored, strict=True)
+        for a, b in zip(data._layer_arrays(x), data._layer_arrays(y), strict=True)
+    )
 
 
 def _then_level(before: Optional[Callable[[], Any]], nbytes: int) -> Callable[[], None]:

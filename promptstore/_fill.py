@@ -19,7 +19,8 @@ import ctypes
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -68,18 +69,24 @@ def _selftest(lib: ctypes.CDLL) -> bool:
     return _digest(lib, data, [(0, 1000), (1000, data.size - 1000)]) == xxhash.xxh3_64_intdigest(data)
 
 
-def _digest(lib: ctypes.CDLL, host: np.ndarray, pieces: Sequence[Tuple[int, int]]) -> int:
+@contextmanager
+def _state(lib: ctypes.CDLL) -> Iterator[int]:
+    """A fresh XXH3-64 streaming state, freed afterwards."""
     state = lib.XXH3_createState()
     if not state:
         raise MemoryError("XXH3_createState failed")
     try:
         lib.XXH3_64bits_reset(state)
-        base = host.ctypes.data
-        for pos, n in pieces:
-            lib.XXH3_64bits_update(state, base + pos, n)
-        return int(lib.XXH3_64bits_digest(state))
+        yield state
     finally:
         lib.XXH3_freeState(state)
+
+
+def _digest(lib: ctypes.CDLL, host: np.ndarray, pieces: Sequence[Tuple[int, int]]) -> int:
+    with _state(lib) as state:
+        for pos, n in pieces:
+            lib.XXH3_64bits_update(state, host.ctypes.data + pos, n)
+        return int(lib.XXH3_64bits_digest(state))
 
 
 _XXH3 = _load_xxh3()
@@ -131,11 +138,7 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]]) -> int:
     """Read ``segments`` (file offset, length) back to back into ``host``;
     return the xxh3-64 of ``host``."""
     assert _XXH3 is not None
-    state = _XXH3.XXH3_createState()
-    if not state:
-        raise MemoryError("XXH3_createState failed")
-    try:
-        _XXH3.XXH3_64bits_reset(state)
+    with _state(_XXH3) as state:
         base, pos = host.ctypes.data, 0
         _populate(base, host.nbytes)
         view = memoryview(host)
@@ -153,8 +156,6 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]]) -> int:
                 pos += n
                 done += n
         return int(_XXH3.XXH3_64bits_digest(state))
-    finally:
-        _XXH3.XXH3_freeState(state)
 
 
 def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]]]]) -> List[int]:
