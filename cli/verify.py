@@ -10,7 +10,7 @@ from promptstore.cli._common import command, emit_json, guarded, json_option
 
 
 @command()
-@click.option("--fix", is_flag=True, help="Delete damaged entries and orphaned chunks, and rebuild the index.")
+@click.option("--fix", is_flag=True, help="Delete damaged entries, orphaned chunks and orphaned blob files, and rebuild the index.")
 @json_option
 @click.pass_obj
 @guarded
@@ -25,6 +25,7 @@ def verify(obj, fix, as_json):
             "checked": report.checked,
             "problems": [{"id": eid, "problem": what} for eid, what in report.problems],
             "orphan_chunks": report.orphan_chunks,
+            "orphan_blobs": report.orphan_blobs,
             "fixed": report.fixed and not report.ok,
             "ok": report.ok,
         })
@@ -33,10 +34,12 @@ def verify(obj, fix, as_json):
             click.echo(f"damaged {eid}: {what}")
         if report.orphan_chunks:
             click.echo(f"{report.orphan_chunks} orphaned chunk(s)")
+        if report.orphan_blobs:
+            click.echo(f"{report.orphan_blobs} orphaned blob file(s)")
         if report.ok:
             click.echo(f"ok: {report.checked} entries checked")
         elif fix:
-            click.echo(f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks of {report.checked} checked")
+            click.echo(f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks and {report.orphan_blobs} orphaned blob files of {report.checked} checked")
         else:
             click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)
     if not report.ok:

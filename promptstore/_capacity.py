@@ -65,7 +65,9 @@ class CapacityMixin:
     def gc(self, budget: Optional[int] = None, dry_run: bool = False) -> GcReport:
         """Evict least-recently-used unpinned entries down to the budget.
 
-        Also recounts the size accounting and drops pins of deleted entries.
+        Also recounts the size accounting, drops pins of deleted entries and
+        removes blob files no entry names (left by a put killed before its
+        commit, or by a crash before a deleted entry's file was unlinked).
 
         Args:
             budget: evict down to this many bytes instead of the stored budget
@@ -81,7 +83,9 @@ class CapacityMixin:
             self._flush_in(txn)
             _budget.recount(txn, self._db, self._manifest_size)
             target = budget if budget is not None else _budget.get_budget(txn, self._db)
-            return self._gc_in(txn, target, dry_run)
+            report = self._gc_in(txn, target, dry_run)
+            self._drop_stray_blobs(txn)
+            return report
 
         if dry_run:
             with self.env.read() as txn:

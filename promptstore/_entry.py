@@ -26,7 +26,8 @@ from promptstore import _blank, _fill
 from promptstore.codecs import Encoded, decode_layer
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, StoreError, UnsupportedVersion
 
-FORMAT = 1
+FORMAT = 2  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file
+BLOB_FORMAT = 2
 CHUNK = 4 * 1024 * 1024 - 16
 MAX_MANIFEST = 64 * 1024 * 1024
 MAX_TOKENS = 1 << 24
@@ -90,6 +91,7 @@ class Manifest:
     meta: Dict[str, Any]
     entry_id: str
     intact: bool = False  # whether the manifest checksum holds
+    blob: Optional[str] = None  # the blob file holding the payload (format 2); None: LMDB chunks
 
     @property
     def kinds(self) -> Tuple[str, ...]:
@@ -108,11 +110,12 @@ def _host_bytes(a: mx.array) -> memoryview:
     return memoryview(np.asarray(a)).cast("B")
 
 
-def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], int]:
+def prepare(layers: Sequence[Encoded], checksums: bool = True) -> Tuple[List[dict], List[memoryview], int]:
     """Evaluate every array contiguously and lay out the payload.
 
     Returns the manifest's layer records, the byte views in payload order and
-    the payload size.
+    the payload size. With ``checksums=False`` the records' checksums are
+    left as None for :func:`add_checksums` to fill in later.
     """
     flat = [mx.contiguous(a) for enc in layers for a in enc.arrays.values()]
     mx.eval(flat)
@@ -126,11 +129,18 @@ def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], in
             if dtype is None:
                 raise CorruptEntry(f"kind {enc.kind!r}: array {name!r} has unsupported dtype {a.dtype}")
             buf = _host_bytes(a)
-            arrays.append([name, dtype, list(a.shape), offset, buf.nbytes, xxhash.xxh3_64_intdigest(buf)])
+            arrays.append([name, dtype, list(a.shape), offset, buf.nbytes, xxhash.xxh3_64_intdigest(buf) if checksums else None])
             views.append(buf)
             offset += buf.nbytes
         records.append({"kind": enc.kind, "version": enc.version, "meta": enc.meta, "arrays": arrays})
     return records, views, offset
+
+
+def add_checksums(records: List[dict], views: Sequence[memoryview]) -> None:
+    """Fill in the checksums :func:`prepare` left out (``views`` in payload order)."""
+    arrays = [a for rec in records for a in rec["arrays"]]
+    for a, view in zip(arrays, views):
+        a[5] = xxhash.xxh3_64_intdigest(view)
 
 
 def iter_chunks(views: Sequence[memoryview], total: int) -> Iterator[memoryview]:
@@ -178,9 +188,13 @@ def pack_manifest(
     trimmable: bool,
     meta: Dict[str, Any],
     entry_id: str,
+    blob: Optional[str] = None,
 ) -> bytes:
     doc = {
-        "format": FORMAT,
+        # An entry in LMDB stays format 1, which older readers read; a blob
+        # entry is format 2, which they refuse (fail closed) instead of
+        # reporting its missing chunks as damage.
+        "format": 1 if blob is None else BLOB_FORMAT,
         "model": model,
         "model_name": model_name,
         "tokens": tokens_bytes(tokens),
@@ -192,6 +206,7 @@ def pack_manifest(
         "trimmable": trimmable,
         "meta": meta,
         "id": entry_id,
+        **({} if blob is None else {"blob": blob}),
         "check": bytes(8),  # last: the xxh3-64 of every manifest byte before these 8
     }
     try:
@@ -251,6 +266,13 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
         )
     if fmt < 1:
         raise CorruptEntry(f"{where}: entry format {fmt} is invalid")
+    blob = None
+    if fmt == BLOB_FORMAT:
+        blob = _field(doc, "blob", str, where)
+        if not _blob_name(blob):
+            raise CorruptEntry(f"{where}: manifest names blob file {blob[:80]!r}, which is not a blob name")
+    elif "blob" in doc:
+        raise CorruptEntry(f"{where}: a format {fmt} manifest names a blob file")
     if _field(doc, "chunk_size", int, where) != CHUNK:
         raise UnsupportedVersion(f"{where}: entry uses chunk size {doc['chunk_size']}, this reader {CHUNK}")
     tok = _field(doc, "tokens", bytes, where)
@@ -308,7 +330,22 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
         meta=_field(doc, "meta", dict, where),
         entry_id=_field(doc, "id", str, where),
         intact=_intact(doc, raw),
+        blob=blob,
     )
+
+
+def _blob_name(name: str) -> bool:
+    """Whether ``name`` is a blob file name as :mod:`_blobs` makes them (a plain
+    file name: a crafted manifest must not reach outside the blobs directory)."""
+    head, _, tail = name.partition("-")
+    hexdigits = "0123456789abcdef"
+    return (
+        len(head) == 16 and len(tail) == 16 + len(BLOB_SUFFIX) and tail.endswith(BLOB_SUFFIX)
+        and all(c in hexdigits for c in head + tail[:16])
+    )
+
+
+BLOB_SUFFIX = ".blob"
 
 
 def read_arrays(

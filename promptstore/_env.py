@@ -30,6 +30,7 @@ them alive until they move on.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import resource
 import shutil
@@ -43,6 +44,8 @@ import lmdb
 
 from promptstore import _pages
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
+
+log = logging.getLogger("promptstore")
 
 T = TypeVar("T")
 
@@ -114,6 +117,7 @@ class Env:
         self.map_size = map_size
         self.db: Dict[bytes, object] = {}
         self._lock = threading.Condition()
+        self._pending = threading.local()  # callbacks to run once this thread's write commits
         if not readonly:
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -266,6 +270,24 @@ class Env:
         finally:
             self._release(gen)
 
+    def after_commit(self, call: Callable[[], None]) -> None:
+        """Run ``call`` once the write transaction this thread is inside has
+        committed (never if it aborts or is retried). For work outside LMDB
+        that must not happen before the commit, such as unlinking the blob
+        file of an entry the transaction deletes. A failing call is logged."""
+        calls = getattr(self._pending, "calls", None)
+        if calls is None:
+            raise RuntimeError("after_commit() outside a write transaction")
+        calls.append(call)
+
+    def _run_pending(self) -> None:
+        calls, self._pending.calls = self._pending.calls, None
+        for call in calls:
+            try:
+                call()
+            except Exception as err:  # the commit stands; leftovers are swept later
+                log.warning("promptstore: after commit: %s", err)
+
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn(txn)`` in a write transaction and commit; grow the map and
         retry when it is full. All or nothing: on error nothing is written."""
@@ -281,8 +303,10 @@ class Env:
                         moved = True  # compacted while we waited for the write lock
                         txn.abort()
                         continue
+                    self._pending.calls = []
                     result = fn(txn)
                     txn.commit()
+                    self._run_pending()
                     return result
                 except lmdb.MapFullError as err:
                     txn.abort()
@@ -300,6 +324,7 @@ class Env:
                     txn.abort()
                     raise
             finally:
+                self._pending.calls = None
                 self._release(gen)
 
     # -- compaction --------------------------------------------------------------

@@ -20,11 +20,13 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from promptstore import _pages
+
+T = TypeVar("T")
 
 PIECE = 1 << 20  # read then hash 1 MiB at a time: the hash reads it from cache
 _WORKERS = 2
@@ -104,6 +106,11 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="promptstore-fill")
         return _pool
+
+
+def submit(fn: Callable[..., T], *args: Any) -> "Future[T]":
+    """Run ``fn(*args)`` on the fill threads (work to overlap with I/O on the caller's thread)."""
+    return _executor().submit(fn, *args)
 
 
 def _forget_pool() -> None:  # a forked child has the pool object but none of its threads

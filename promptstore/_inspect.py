@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
-from promptstore import _entry, _index, _keys
+from promptstore import _blobs, _entry, _index, _keys
 from promptstore.errors import CorruptEntry, EntryNotFound, ModelMismatch, PromptStoreError
 
 if TYPE_CHECKING:
@@ -28,10 +28,11 @@ class VerifyReport:
     problems: Tuple[Tuple[str, str], ...]  # (entry id, what is wrong)
     orphan_chunks: int
     fixed: bool
+    orphan_blobs: int = 0  # blob files no entry names (a put killed before its commit)
 
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.orphan_chunks
+        return not self.problems and not self.orphan_chunks and not self.orphan_blobs
 
 
 class InspectMixin:
@@ -129,17 +130,34 @@ class InspectMixin:
         return out
 
     def file_size(self) -> int:
-        """Bytes the LMDB data file takes on disk (it never shrinks by itself)."""
-        return (self.env.dir / "data.mdb").stat().st_size
+        """Bytes the store's files take: the LMDB data file (it never shrinks
+        by itself) and the blob files of large entries."""
+        return (self.env.dir / "data.mdb").stat().st_size + self._blobs.nbytes()
+
+    def _blob_names(self, txn) -> List[str]:
+        """The blob files the manifests in ``txn`` name."""
+        names = []
+        for k, raw in txn.cursor(db=self._db[b"entries"]):
+            try:
+                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k)))
+            except PromptStoreError:
+                continue
+            if man.blob is not None:
+                names.append(man.blob)
+        return names
 
     def verify(self, fix: bool = False) -> VerifyReport:
         """Check every manifest and checksum; with ``fix``, delete what is broken.
 
         Returns:
-            A VerifyReport listing each damaged entry and orphaned chunks.
+            A VerifyReport listing each damaged entry, orphaned chunks and
+            orphaned blob files (these counted from a listing taken before
+            the snapshot: a put in flight may show as one; ``fix`` decides
+            again under the writer lock).
         """
         problems: List[Tuple[str, str]] = []
         bad: Dict[bytes, Optional[bytes]] = {}  # entry key -> the manifest bytes found damaged
+        files = self._blobs.names()
         # One snapshot for the entry list and the chunk list: a put commits its
         # chunks and manifest together, so only true orphans differ between them.
         with self.env.read() as txn:
@@ -150,6 +168,8 @@ class InspectMixin:
                 for k in txn.cursor(db=self._db[b"chunks"]).iternext(keys=True, values=False)
                 if bytes(k[:36]) not in known
             ]
+            named = set(self._blob_names(txn))
+        stray = [n for n in files if n not in named]
         checked = 0
         for ekey in keys:
             eid = _keys.entry_id(ekey)
@@ -166,9 +186,11 @@ class InspectMixin:
                         raise CorruptEntry(f"entry {eid}: manifest does not match its key")
                     self._restore(txn, ekey, man, remembered=False)
             except PromptStoreError as err:
+                if isinstance(err, _blobs.Vanished) and not self._still(ekey, raw):
+                    continue  # deleted or replaced since: its blob went with it
                 problems.append((eid, str(err)))
                 bad[ekey] = raw
-        if fix and (bad or orphans):
+        if fix and (bad or orphans or stray):
             def write(txn) -> None:
                 entries = self._db[b"entries"]
                 for ekey, raw in bad.items():
@@ -179,9 +201,24 @@ class InspectMixin:
                     if txn.get(k[:36], db=entries) is None:  # still no entry owns them
                         txn.delete(k, db=self._db[b"chunks"])
                 self._rebuild_index(txn)
+                self._drop_stray_blobs(txn)
 
             self.env.write(write)
-        return VerifyReport(checked, tuple(problems), len(orphans), fix)
+        return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray))
+
+    def _still(self, ekey: bytes, raw: Optional[bytes]) -> bool:
+        """Whether the entry at ``ekey`` still has the manifest ``raw`` (a new snapshot)."""
+        with self.env.read() as txn:
+            now = txn.get(ekey, db=self._db[b"entries"])
+        return now is not None and now == raw
+
+    def _drop_stray_blobs(self, txn) -> int:
+        """Unlink, once ``txn`` commits, the blob files no manifest in it names
+        (call in a write transaction: see ``_blobs.Blobs.unreferenced``)."""
+        stray = self._blobs.unreferenced(self._blob_names(txn))
+        if stray:
+            self.env.after_commit(lambda: [self._blobs.unlink(n) for n in stray])
+        return len(stray)
 
     def _rebuild_index(self, txn) -> None:
         """Rebuild the prefix index from the intact manifests."""

@@ -11,13 +11,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import lmdb
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from promptstore import _budget, _entry, _fill, _index, _keys, _pages
+from promptstore import _blobs, _budget, _entry, _fill, _index, _keys, _pages
 from promptstore._capacity import CapacityMixin
 from promptstore._inspect import InspectMixin, VerifyReport
 from promptstore._env import DEFAULT_MAP_SIZE, Env
@@ -38,6 +38,7 @@ __all__ = ["PromptStore", "EntryInfo", "Hit", "VerifyReport", "default_path"]
 log = logging.getLogger("promptstore")
 
 STORE_FORMAT = 1
+T = TypeVar("T")
 _F64 = struct.Struct(">d")
 _U64 = struct.Struct(">Q")
 
@@ -100,6 +101,7 @@ class PromptStore(CapacityMixin, InspectMixin):
         self.path = Path(path).expanduser() if path is not None else default_path()
         self._env = Env(self.path, map_size=map_size, readonly=readonly)
         self._db = self._env.db
+        self._blobs = _blobs.Blobs(self.path)
         self._lock = threading.Lock()
         self._touched: Dict[bytes, float] = {}
         self._counts: Counter = Counter()
@@ -219,30 +221,53 @@ class PromptStore(CapacityMixin, InspectMixin):
         if meta is not None and not isinstance(meta, dict):
             raise InvalidInput("meta must be a dict")
         encoded = [encode_layer(layer) for layer in layers]
-        records, views, payload = _entry.prepare(encoded)
+        records, views, payload = _entry.prepare(encoded, checksums=False)
+        blob = payload >= _blobs.MIN_PAYLOAD
+        # A blob entry's checksums are computed while its file is written.
+        hashing = _fill.submit(_entry.add_checksums, records, views) if blob else None
+        if not blob:
+            _entry.add_checksums(records, views)
         trimmable = all(getattr(layer, "is_trimmable", lambda: False)() for layer in layers)
         ekey = _keys.entry_key(mid, toks)
         eid = _keys.entry_id(ekey)
         now = time.time()
-        manifest = _entry.pack_manifest(
-            model=model,
-            model_name=model_name_of(model),
-            tokens=toks,
-            layers=records,
-            payload=payload,
-            created=now,
-            trimmable=trimmable,
-            meta=dict(meta or {}),
-            entry_id=eid,
-        )
         hashes = _keys.prefix_hashes(toks)
+        written: List[str] = []  # blob files this put wrote (one per attempt)
+
+        def pack(blob_name: Optional[str]) -> bytes:
+            return _entry.pack_manifest(
+                model=model,
+                model_name=model_name_of(model),
+                tokens=toks,
+                layers=records,
+                payload=payload,
+                created=now,
+                trimmable=trimmable,
+                meta=dict(meta or {}),
+                entry_id=eid,
+                blob=blob_name,
+            )
+
+        manifest = None if blob else pack(None)  # bad meta fails here, before any write
 
         def write(txn: lmdb.Transaction) -> None:
+            nonlocal manifest
             old = txn.get(ekey, db=self._db[b"entries"])
             if old is not None:
                 self._unlink(txn, ekey, old)
-            for i, chunk in enumerate(_entry.iter_chunks(views, payload)):
-                txn.put(ekey + _keys.u32(i), chunk, db=self._db[b"chunks"])
+            if blob:
+                # Written under the writer lock (see _blobs); a retried
+                # transaction drops its earlier file and writes a new one.
+                for name in written:
+                    self._blobs.unlink(name)
+                name = _blobs.new_name(eid)
+                written.append(name)
+                self._blobs.write(name, views)
+                hashing.result()
+                manifest = pack(name)
+            else:
+                for i, chunk in enumerate(_entry.iter_chunks(views, payload)):
+                    txn.put(ekey + _keys.u32(i), chunk, db=self._db[b"chunks"])
             _index.add(txn, self._db, mid, toks, hashes, ekey, trimmable)
             txn.put(ekey, _F64.pack(now), db=self._db[b"used"])
             txn.put(eid.encode(), ekey, db=self._db[b"ids"])
@@ -252,7 +277,12 @@ class PromptStore(CapacityMixin, InspectMixin):
             # The manifest goes last: an entry is visible whole or not at all.
             txn.put(ekey, manifest, db=self._db[b"entries"])
 
-        self.env.write(write)
+        try:
+            self.env.write(write)
+        except BaseException:
+            for name in written:
+                self._blobs.unlink(name)
+            raise
         return EntryInfo(
             id=eid,
             model=model,
@@ -289,7 +319,11 @@ class PromptStore(CapacityMixin, InspectMixin):
                 man = _entry.unpack_manifest(bytes(raw_manifest), _keys.entry_id(ekey))
                 _index.remove(txn, self._db, ekey[:16], man.tokens, _keys.prefix_hashes(man.tokens), ekey)
             except PromptStoreError:
-                pass  # damaged manifest: its index records become harmless dead ends
+                pass  # damaged manifest: its index records become harmless dead ends (its blob, a leftover)
+            else:
+                if man.blob is not None:
+                    blob = man.blob
+                    self.env.after_commit(lambda: self._blobs.unlink(blob))
         txn.delete(ekey, db=self._db[b"used"])
         txn.delete(_keys.entry_id(ekey).encode(), db=self._db[b"ids"])
         _budget.forget(txn, self._db, ekey)
@@ -355,7 +389,9 @@ class PromptStore(CapacityMixin, InspectMixin):
         def get_chunk(i: int) -> Any:
             return txn.get(ekey + _keys.u32(i), db=chunks)
 
-        if man.payload < _pages.MIN_PAYLOAD:
+        if man.blob is not None:
+            arrays = self._blobs.read(man, where)
+        elif man.payload < _pages.MIN_PAYLOAD:
             arrays = _entry.read_arrays(man, get_chunk, where)
         else:
             arrays = self._read_large(self.env.data_file(), ekey, man, get_chunk, where, remembered)
@@ -445,6 +481,9 @@ class PromptStore(CapacityMixin, InspectMixin):
         return None if hit is None else hit.cache
 
     def _get_exact(self, model: str, toks: np.ndarray) -> Optional[Hit]:
+        return _again(lambda lost: self._get_exact_once(model, toks))
+
+    def _get_exact_once(self, model: str, toks: np.ndarray) -> Optional[Hit]:
         ekey = _keys.entry_key(_keys.model_id(model), toks)
         with self.env.read(buffers=True) as txn:
             man = self._manifest(txn, ekey)
@@ -492,6 +531,9 @@ class PromptStore(CapacityMixin, InspectMixin):
         """
         mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
+        return _again(lambda lost: self._lookup_once(model, mid, toks, lost))
+
+    def _lookup_once(self, model: str, mid: bytes, toks: np.ndarray, lost: Set[str]) -> Optional[Hit]:
         with self.env.read(buffers=True) as txn:
             manifest = lambda ekey: self._safe_manifest(txn, ekey)  # noqa: E731
             for ekey, matched, man in _index.candidates(txn, self._db, mid, toks, manifest):
@@ -499,6 +541,11 @@ class PromptStore(CapacityMixin, InspectMixin):
                     if man.model != model:
                         raise ModelMismatch(f"entry {man.entry_id} belongs to {man.model!r}, not {model!r}")
                     cache = self._restore(txn, ekey, man)
+                except _blobs.Vanished as err:
+                    if err.blob not in lost:
+                        raise  # deleted since this snapshot, or lost: look again
+                    log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
+                    continue
                 except PromptStoreError as err:
                     log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
                     continue
@@ -518,6 +565,29 @@ class PromptStore(CapacityMixin, InspectMixin):
         except PromptStoreError as err:
             log.warning("promptstore: skipping entry %s: %s", _keys.entry_id(ekey), err)
             return None
+
+
+_LOOKS = 8
+
+
+def _again(read: Callable[[Set[str]], T]) -> T:
+    """``read(lost)``, run again on a new snapshot while it meets a blob file
+    that vanished (:class:`_blobs.Vanished`): the entry was deleted or
+    replaced after the snapshot was taken. A blob missing twice is lost:
+    the second snapshot was taken after the first look failed and still
+    names it. ``lost`` holds such blobs (lookup skips their entries); other
+    reads raise the second Vanished, a CorruptEntry. After ``_LOOKS`` looks
+    at an entry replaced every time, the last error is raised.
+    """
+    seen: Set[str] = set()
+    for attempt in range(_LOOKS):
+        try:
+            return read(seen)
+        except _blobs.Vanished as err:
+            if err.blob in seen or attempt == _LOOKS - 1:
+                raise
+            seen.add(err.blob)
+    raise AssertionError("unreachable")
 
 
 def _trim(cache: List[Any], n: int) -> None:
