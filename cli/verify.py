@@ -35,11 +35,12 @@ def verify(obj, fix, as_json):
         if report.orphan_chunks:
             click.echo(f"{report.orphan_chunks} orphaned chunk(s)")
         if report.orphan_blobs:
-            click.echo(f"{report.orphan_blobs} orphaned blob file(s)")
+            click.echo(f"{report.orphan_blobs} blob file(s) no entry names (left by killed puts; "
+                       + ("removed)" if fix else "`promptstore gc` removes them)"), err=True)
         if report.ok:
             click.echo(f"ok: {report.checked} entries checked")
         elif fix:
-            click.echo(f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks and {report.orphan_blobs} orphaned blob files of {report.checked} checked")
+            click.echo(f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks of {report.checked} checked")
         else:
             click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)
     if not report.ok:

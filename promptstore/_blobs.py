@@ -14,8 +14,10 @@ The rules that keep this as safe as an entry inside LMDB:
 - A blob file is created, written and fsynced (and the directory with it)
   inside the write transaction that commits its manifest, so while the
   writer lock is held. A crash before the commit leaves an unreferenced file
-  and nothing visible; ``verify --fix`` and ``gc`` remove such files
-  (:meth:`Blobs.unreferenced`).
+  and nothing visible; ``gc`` and ``verify --fix`` remove such files, also
+  under the writer lock, so never the file of a put in flight. A name, once
+  unreferenced, never is again: a put whose transaction is retried writes
+  a new file.
 - A blob file is unlinked only after the transaction that dropped its
   manifest has committed (``Env.after_commit``); a crash in between leaves
   an unreferenced file, removed the same way.
@@ -34,14 +36,13 @@ import mmap
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence, Set
+from typing import Any, Dict, List, Sequence
 
 from promptstore import _entry, _fill
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
 
 MIN_PAYLOAD = 8 << 20  # a payload this large goes to a blob file
 DIRNAME = "blobs"
-_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class Vanished(CorruptEntry):
@@ -116,9 +117,15 @@ class Blobs:
             raise
 
     def _error(self, err: OSError, what: str) -> StoreError:
-        if err.errno in _FULL:
-            return StoreFull(f"{self.dir}: cannot {what} a blob file: disk full ({err.strerror}); nothing was written")
-        return StoreError(f"{self.dir}: cannot {what} a blob file ({err}); nothing was written")
+        if err.errno == errno.EFBIG:
+            why = "the file is over the process file-size limit (ulimit -f) or the filesystem's"
+        elif err.errno == errno.EDQUOT:
+            why = "disk quota exceeded"
+        elif err.errno == errno.ENOSPC:
+            why = "no room left on the disk"
+        else:
+            return StoreError(f"{self.dir}: cannot {what} a blob file ({err}); nothing was written")
+        return StoreFull(f"{self.dir}: cannot {what} a blob file: {why}; nothing was written; free space or run `promptstore gc`")
 
     def copy_in(self, src: Path, name: str) -> None:
         """Copy the blob file ``src`` (of another store) in as ``name``, durably."""
@@ -201,12 +208,3 @@ class Blobs:
                 whole.release()
         finally:
             mm.close()
-
-    def unreferenced(self, referenced: Iterable[str]) -> List[str]:
-        """The blob files not in ``referenced``. Call under the writer lock,
-        with ``referenced`` read in that write transaction, and unlink them
-        only after it commits: then no put is between writing its file and
-        committing its manifest, and a name, once unreferenced, never is
-        again (a put whose transaction is retried writes a new file)."""
-        keep: Set[str] = set(referenced)
-        return [n for n in self.names() if n not in keep]

@@ -19,7 +19,7 @@ from typing import List, Set, Tuple
 
 import lmdb
 
-from promptstore import _budget, _entry, _keys
+from promptstore import _blobs, _budget, _entry, _keys
 from promptstore._env import DBS, live_dir, pages_needed
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 
@@ -104,8 +104,12 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
         man = _entry.unpack_manifest(raw, where)
         if man.entry_id != _keys.entry_id(ekey) or _keys.entry_key(_keys.model_id(man.model), man.tokens) != ekey:
             raise PromptStoreError("manifest does not match its key")
-        chunks = [txn.get(ekey + _keys.u32(i), db=dbs[b"chunks"]) for i in range(man.chunks)]
-        arrays = _entry.read_arrays(man, lambda i: chunks[i], where)
+        if man.blob is not None:
+            arrays = _blobs.Blobs(src).read(man, where)
+            chunks = []
+        else:
+            chunks = [txn.get(ekey + _keys.u32(i), db=dbs[b"chunks"]) for i in range(man.chunks)]
+            arrays = _entry.read_arrays(man, lambda i: chunks[i], where)
         _entry.decode_layers(man, arrays, where)
         if not man.intact:
             raise PromptStoreError("manifest checksum mismatch")
@@ -152,7 +156,7 @@ def salvage(src, dst) -> SalvageReport:
                 except Exception as err:  # lmdb errors on damaged pages included: skip, keep going
                     skipped.append((eid, f"{type(err).__name__}: {err}"))
                     continue
-                out.env.write(lambda txn: _copy_in(out, txn, ekey, raw, man, chunks, used, pinned))
+                out.env.write(lambda txn: _copy_in(out, txn, ekey, raw, man, chunks, used, pinned, src))
                 copied.append(eid)
             if budget is not None:
                 out.env.write(lambda txn: txn.put(_budget.BUDGET, _budget._U64.pack(budget), db=out._db[b"info"]))
@@ -162,8 +166,10 @@ def salvage(src, dst) -> SalvageReport:
     return SalvageReport(str(src), str(dst), tuple(copied), tuple(skipped), tuple(broken))
 
 
-def _copy_in(out, txn, ekey, raw, man, chunks, used, pinned) -> None:
+def _copy_in(out, txn, ekey, raw, man, chunks, used, pinned, src: Path) -> None:
     db = out._db
+    if man.blob is not None and not out._blobs.path(man.blob).exists():
+        out._blobs.copy_in(_blobs.Blobs(src).path(man.blob), man.blob)  # under the writer lock, as a put
     for i, c in enumerate(chunks):
         txn.put(ekey + _keys.u32(i), c, db=db[b"chunks"])
     hashes = _keys.prefix_hashes(man.tokens)

@@ -179,7 +179,10 @@ class PromptStore(CapacityMixin, InspectMixin):
             txn.put(key, _U64.pack(old + n), db=self._db[b"info"])
 
     def flush(self) -> None:
-        """Write recorded last-use times and hit counters (done on every put and on close)."""
+        """Write recorded last-use times and hit counters (done on every put and
+        on close; a store opened read-only keeps them to itself)."""
+        if self.env.readonly:
+            return
         if self._touched or self._counts:
             self.env.write(self._flush_in)
 

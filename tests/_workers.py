@@ -374,6 +374,10 @@ if __name__ == "__main__":
     import promptstore  # noqa: F401
     import promptstore._salvage  # noqa: F401
 
+    if os.environ.get("PROMPTSTORE_TEST_BLOB_MIN"):  # payloads from this size on go to blob files
+        import promptstore._blobs
+
+        promptstore._blobs.MIN_PAYLOAD = int(os.environ["PROMPTSTORE_TEST_BLOB_MIN"])
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "crash":
         res = crash(args[0], int(args[1]), int(args[2]), args[3])

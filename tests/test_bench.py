@@ -185,10 +185,13 @@ def test_unsynced_lmdb_is_setup_only(tmp_path):
 
 
 @pytest.fixture
-def big_entry(tmp_path):
+def big_entry(tmp_path, monkeypatch):
     """A 4-layer hybrid entry above the page-release threshold, with arrays that
-    lie inside one chunk and arrays that span chunks."""
-    from promptstore import _keys
+    lie inside one chunk and arrays that span chunks, kept in LMDB as before
+    blob files (tests/test_blobs.py has the blob-file side)."""
+    from promptstore import _blobs, _keys
+
+    monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 1 << 62)
 
     cache = data.hybrid_cache(data.QUICK, 1024, seed=5)
     tokens = list(range(1, 1025))

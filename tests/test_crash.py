@@ -22,10 +22,14 @@ HERE = Path(__file__).resolve().parent
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
 
 
-def run_worker(*args, timeout=600) -> dict:
+def run_worker(*args, timeout=600, blob_min=None) -> dict:
+    """Run a _workers.py mode; ``blob_min``: payloads from this size on go to blob files."""
+    env = dict(os.environ)
+    if blob_min is not None:
+        env["PROMPTSTORE_TEST_BLOB_MIN"] = str(blob_min)
     out = subprocess.run(
         [sys.executable, str(HERE / "_workers.py"), *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, check=False,
+        capture_output=True, text=True, timeout=timeout, check=False, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

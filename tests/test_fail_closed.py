@@ -17,6 +17,7 @@ from promptstore import (
     UnknownStorageKind,
     UnsupportedVersion,
 )
+from promptstore import _entry
 from promptstore.prefill import prefill
 
 
@@ -65,9 +66,9 @@ def test_newer_codec_version(two_entries):
 def test_newer_entry_format(two_entries):
     store, fp, healthy, victim, eid, good = two_entries
     doc = raw_manifest(store, eid)
-    doc["format"] = 2
+    doc["format"] = _entry.FORMAT + 1
     write_manifest(store, eid, doc)
-    with pytest.raises(UnsupportedVersion, match="entry format 2"):
+    with pytest.raises(UnsupportedVersion, match=f"entry format {_entry.FORMAT + 1}"):
         store.get(fp, victim)
     _still_serves(store, fp, healthy, good)
 

@@ -9,11 +9,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from promptstore import CorruptEntry, PromptStore, _blank, _entry, _fill, _keys, _pages
+from promptstore import CorruptEntry, PromptStore, _blank, _blobs, _entry, _fill, _keys, _pages
 from promptstore import _bench_data as data
 from _bits import bits_equal
 
 MODEL = "m@1"
+
+
+@pytest.fixture(autouse=True)
+def payload_in_lmdb(monkeypatch):
+    """Large entries go to blob files now; these tests read large entries
+    kept in LMDB, as promptstore wrote them before blob files (and still
+    reads them)."""
+    monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 1 << 62)
 
 
 @pytest.fixture()

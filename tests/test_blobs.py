@@ -1,0 +1,448 @@
+"""Large payloads in blob files beside LMDB: written durably under the writer
+lock, unlinked only after the commit that drops them, damage detected like
+damage inside LMDB, leftovers of killed puts removed by gc and verify --fix."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from _raw import raw_manifest, write_manifest
+from _workers import MODEL, make_entry, same_cache
+from test_crash import check_after_crashes, run_worker
+from promptstore import CorruptEntry, PromptStore, StoreFull, UnsupportedVersion, _blobs, _entry, _keys
+from promptstore import _bench_data as data
+
+HERE = Path(__file__).resolve().parent
+SMALL = 50_000  # blob threshold for the tests with small entries
+
+
+def _files(path: Path):
+    return sorted(os.listdir(path / "blobs")) if (path / "blobs").is_dir() else []
+
+
+def _man(store, tokens):
+    with store.env.read() as txn:
+        return store._manifest(txn, _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens)))
+
+
+@pytest.fixture
+def small_blobs(monkeypatch):
+    monkeypatch.setattr(_blobs, "MIN_PAYLOAD", SMALL)
+
+
+def test_a_large_entry_is_one_blob_file_and_restores_bit_exactly(tmp_path):
+    cache = data.hybrid_cache(data.QUICK, 1024, seed=3)
+    tokens = list(range(1, 1025))
+    with PromptStore(tmp_path / "s") as store:
+        info = store.put(MODEL, tokens, cache)
+        assert info.nbytes >= _blobs.MIN_PAYLOAD  # the real threshold, not a lowered one
+        (name,) = _files(tmp_path / "s")
+        man = _man(store, tokens)
+        assert man.blob == name and man.payload == info.nbytes
+        assert (tmp_path / "s" / "blobs" / name).stat().st_size == info.nbytes
+        with store.env.read() as txn:  # nothing of the payload in LMDB
+            assert txn.stat(store._db[b"chunks"])["entries"] == 0
+        assert store.file_size() >= info.nbytes
+        for _ in range(2):
+            assert same_cache(store.get(MODEL, tokens), cache)
+        hit = store.lookup(MODEL, tokens + [5, 6])
+        assert hit.matched == 1024 and same_cache(hit.cache, cache)
+        assert store.verify().ok and store.verify().orphan_blobs == 0
+    with PromptStore(tmp_path / "s", readonly=True) as ro:
+        assert same_cache(ro.get(MODEL, tokens), cache)
+
+
+def test_small_entries_stay_in_lmdb(store):
+    tokens, cache = make_entry(1, 1)
+    store.put(MODEL, tokens, cache)
+    assert _man(store, tokens).blob is None and _files(store.path) == []
+
+
+def test_replace_delete_and_eviction_unlink_the_files(tmp_path, small_blobs):
+    path = tmp_path / "s"
+    (t0, c0), (t1, c1), (t2, c2) = (make_entry(4, i, big_every=1) for i in range(3))
+    with PromptStore(path) as store:
+        store.put(MODEL, t0, c0)
+        first = _files(path)
+        store.put(MODEL, t0, c1)  # replaced: a new file, the old one gone after the commit
+        second = _files(path)
+        assert len(first) == len(second) == 1 and first != second
+        assert same_cache(store.get(MODEL, t0), c1)
+        assert store.delete(MODEL, t0) and _files(path) == []
+        store.put(MODEL, t1, c1)
+        size = store.usage()
+        store.set_budget(size + size // 2)  # room for one entry: the next put evicts t1
+        store.put(MODEL, t2, c2)
+        assert store.get(MODEL, t1) is None
+        assert _files(path) == [_man(store, t2).blob]
+        store.remove(_man(store, t2).entry_id)
+        assert _files(path) == []
+
+
+@pytest.mark.parametrize("spanning", [True, False])
+def test_a_flipped_byte_in_a_blob_is_caught(tmp_path, spanning, caplog):
+    cache = data.hybrid_cache(data.QUICK, 1024, seed=5)
+    tokens = list(range(1, 1025))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        man = _man(store, tokens)
+        rec = next(r for layer in man.layers for r in layer.arrays if _entry._spans(r) == spanning and r.nbytes > 4096)
+        with open(tmp_path / "s" / "blobs" / man.blob, "r+b") as f:
+            f.seek(rec.offset + rec.nbytes - 7)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x10]))
+        with pytest.raises(CorruptEntry, match=rf"checksum mismatch in layer \d+ array {rec.name!r}"):
+            store.get(MODEL, tokens)
+        with caplog.at_level(logging.WARNING, logger="promptstore"):
+            assert store.lookup(MODEL, tokens) is None
+        assert "skipping entry" in caplog.text
+        rep = store.verify()
+        assert not rep.ok and rep.problems[0][0] == man.entry_id
+        store.verify(fix=True)
+        assert store.get(MODEL, tokens) is None and _files(tmp_path / "s") == []
+
+
+@pytest.mark.parametrize("change", [-1, +1])
+def test_a_blob_of_the_wrong_size_is_corrupt(tmp_path, small_blobs, change):
+    tokens, cache = make_entry(6, 0, big_every=1)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        blob = tmp_path / "s" / "blobs" / _man(store, tokens).blob
+        size = blob.stat().st_size
+        os.truncate(blob, size + change)
+        with pytest.raises(CorruptEntry, match=rf"has {size + change} bytes, the manifest says {size}"):
+            store.get(MODEL, tokens)
+        assert not store.verify().ok
+
+
+def test_a_lost_blob_is_corrupt_not_a_miss(tmp_path, small_blobs, caplog):
+    (t0, c0), (t1, c1) = make_entry(7, 0, big_every=1), make_entry(7, 1, big_every=1)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, t0, c0)
+        store.put(MODEL, t1, c1)
+        os.unlink(tmp_path / "s" / "blobs" / _man(store, t0).blob)
+        with pytest.raises(CorruptEntry, match="is missing"):
+            store.get(MODEL, t0)
+        with caplog.at_level(logging.WARNING, logger="promptstore"):
+            assert store.lookup(MODEL, t0) is None  # skipped, as any damaged candidate
+        assert "is missing" in caplog.text
+        rep = store.verify()
+        assert [eid for eid, _ in rep.problems] == [_man(store, t0).entry_id]
+        store.verify(fix=True)
+        assert store.get(MODEL, t0) is None and same_cache(store.get(MODEL, t1), c1)
+        assert store.verify().ok
+
+
+def test_a_blob_replaced_during_a_read_is_read_again(tmp_path, small_blobs, monkeypatch):
+    """The reader's snapshot names a file that a put replacing the entry
+    unlinks before the reader opens it: the reader looks again and returns
+    the new entry (not an error, not a miss)."""
+    tokens, old = make_entry(8, 0, big_every=1)
+    new = make_entry(8, 1, big_every=1)[1]
+    new[0].offset = old[0].offset  # same coverage, other arrays
+    new[0].keys, new[0].values = new[0].keys[..., : old[0].offset, :], new[0].values[..., : old[0].offset, :]
+    store = PromptStore(tmp_path / "s")
+    store.put(MODEL, tokens, old)
+    real = _blobs.Blobs.read
+    calls = []
+    ready, done = threading.Event(), threading.Event()
+
+    def racing(self, man, where):
+        calls.append(man.blob)
+        if len(calls) == 1:  # inside the reader's snapshot, before it opens the file
+            ready.set()
+            done.wait()
+        return real(self, man, where)
+
+    def read_in_thread(write):
+        """get() on a thread (mlx arrays belong to the thread that made them, so
+        the write runs here) while ``write`` commits in the middle of it."""
+        calls.clear()
+        ready.clear()
+        done.clear()
+        out = []
+        t = threading.Thread(target=lambda: out.append(store.get(MODEL, tokens)))
+        t.start()
+        assert ready.wait(30)
+        write()
+        done.set()
+        t.join()
+        return out[0]
+
+    monkeypatch.setattr(_blobs.Blobs, "read", racing)
+    got = read_in_thread(lambda: store.put(MODEL, tokens, new))
+    assert same_cache(got, new)
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert read_in_thread(lambda: store.delete(MODEL, tokens)) is None  # deleted meanwhile: a miss
+    assert len(calls) == 1
+    store.close()
+
+
+def test_readers_and_a_replacing_writer_in_threads(tmp_path, small_blobs):
+    tokens = make_entry(9, 0, big_every=1)[0]
+    n = len(tokens)
+    variants = []
+    for seed in (9, 10):
+        c = make_entry(seed, 0, big_every=1)[1]
+        c[0].keys, c[0].values = c[0].keys[..., :n, :], c[0].values[..., :n, :]
+        c[0].offset = n
+        variants.append(c[:1])
+    store = PromptStore(tmp_path / "s")
+    stop = time.monotonic() + 3
+    errors, reads = [], [0, 0]
+
+    def writer():
+        i = 0
+        try:
+            while time.monotonic() < stop:
+                if i % 3 == 2:
+                    store.delete(MODEL, tokens)
+                else:
+                    store.put(MODEL, tokens, variants[i % 2])
+                i += 1
+        except BaseException as err:  # noqa: BLE001
+            errors.append(repr(err))
+
+    def reader(k):
+        try:
+            while time.monotonic() < stop:
+                got = store.get(MODEL, tokens) if k == 0 else getattr(store.lookup(MODEL, tokens), "cache", None)
+                if got is not None:
+                    assert any(same_cache(got, v) for v in variants)
+                reads[k] += 1
+        except BaseException as err:  # noqa: BLE001
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    writer()  # on this thread, which made the caches' arrays
+    for t in threads:
+        t.join()
+    assert errors == [] and min(reads) > 3
+    assert len(_files(tmp_path / "s")) <= 1 and store.verify().orphan_blobs == 0
+    store.close()
+
+
+def test_a_replacing_writer_process_and_a_reader_process(tmp_path):
+    """A writer process replaces and deletes blob entries while this process
+    reads them: every read is a miss or one of the versions, bit for bit."""
+    path = tmp_path / "s"
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(HERE)!r})
+        from promptstore import PromptStore, _blobs
+        from _workers import make_entry
+        _blobs.MIN_PAYLOAD = {SMALL}
+        store = PromptStore({str(path)!r})
+        keys = [make_entry(11, k, big_every=1)[0] for k in range(3)]
+        end, i = time.monotonic() + 4, 0
+        while time.monotonic() < end:
+            k = i % 3
+            if i % 5 == 4:
+                store.delete("{MODEL}", keys[k])
+            else:
+                store.put("{MODEL}", keys[k], make_entry(11, k + 3 * (i % 2), big_every=1)[1])
+            i += 1
+        print(i)
+        """
+    )
+    PromptStore(path).close()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import promptstore._blobs
+
+    versions = {}
+    for k in range(3):
+        toks = make_entry(11, k, big_every=1)[0]
+        versions[k] = (toks, [make_entry(11, k + 3 * j, big_every=1)[1] for j in (0, 1)])
+    reads = hits = 0
+    with PromptStore(path) as store:
+        while proc.poll() is None:
+            for toks, caches in versions.values():
+                got = store.get(MODEL, toks)
+                reads += 1
+                if got is not None:
+                    hits += 1
+                    assert any(same_cache(got, c) for c in caches)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert int(out) > 10 and reads > 10 and hits > 0
+    with PromptStore(path) as store:
+        assert store.verify().ok and store.verify().orphan_blobs == 0
+    assert promptstore._blobs.MIN_PAYLOAD == _blobs.MIN_PAYLOAD
+
+
+def test_sigkill_during_puts_to_blob_files(tmp_path):
+    res = run_worker("crash", tmp_path / "store", 25, 3, "none", blob_min=SMALL)
+    assert res["errors"] == [] and res["inflight_at_kill"] >= 5
+    store = check_after_crashes(tmp_path / "store", res["done"])
+    with store.env.read() as txn:
+        named = {m.blob for m in (_entry.unpack_manifest(bytes(r), "x") for _, r in txn.cursor(db=store._db[b"entries"])) if m.blob}
+    assert named  # blob entries were committed between the kills
+    assert named <= set(_files(tmp_path / "store"))
+    store.gc()  # leftovers of the killed puts go; every committed file stays
+    assert set(_files(tmp_path / "store")) == named and store.verify().orphan_blobs == 0
+    store.close()
+
+
+def _killed(path: Path, patch: str, body: str) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(HERE)!r})
+        from promptstore import PromptStore, _blobs, _env
+        from _workers import make_entry
+        _blobs.MIN_PAYLOAD = {SMALL}
+        store = PromptStore({str(path)!r})
+        def die(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    ) + textwrap.dedent(patch) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_sigkill_between_blob_write_and_commit(tmp_path, small_blobs):
+    path = tmp_path / "s"
+    tokens, cache = make_entry(12, 0, big_every=1)
+    out = _killed(
+        path,
+        """
+        real = _blobs.Blobs.write
+        _blobs.Blobs.write = lambda self, name, views: (real(self, name, views), die())
+        """,
+        f"store.put({MODEL!r}, {tokens!r}, make_entry(12, 0, big_every=1)[1])\n",
+    )
+    assert out.returncode == -9, out.stderr
+    assert len(_files(path)) == 1  # written and fsynced, never committed
+    with PromptStore(path) as store:
+        assert store.get(MODEL, tokens) is None
+        rep = store.verify()
+        assert rep.ok and rep.orphan_blobs == 1
+        store.gc()
+        assert _files(path) == []
+        store.put(MODEL, tokens, cache)
+        assert same_cache(store.get(MODEL, tokens), cache)
+
+
+def test_sigkill_between_commit_and_unlink(tmp_path, small_blobs):
+    path = tmp_path / "s"
+    tokens, old = make_entry(13, 0, big_every=1)
+    new = make_entry(13, 1, big_every=1)[1]
+    n = len(tokens)
+    new[0].keys, new[0].values, new[0].offset = new[0].keys[..., :n, :], new[0].values[..., :n, :], n
+    with PromptStore(path) as store:
+        store.put(MODEL, tokens, old)
+    out = _killed(
+        path,
+        "_env.Env._run_pending = lambda self: die()\n",
+        textwrap.dedent(
+            f"""
+            c = make_entry(13, 1, big_every=1)[1]
+            n = {n}
+            c[0].keys, c[0].values, c[0].offset = c[0].keys[..., :n, :], c[0].values[..., :n, :], n
+            store.put({MODEL!r}, {tokens!r}, c)
+            """
+        ),
+    )
+    assert out.returncode == -9, out.stderr
+    assert len(_files(path)) == 2  # the replaced entry's file outlived the commit
+    with PromptStore(path) as store:
+        assert same_cache(store.get(MODEL, tokens), new)
+        assert store.verify().orphan_blobs == 1
+        store.verify(fix=True)
+        assert _files(path) == [_man(store, tokens).blob]
+
+
+def test_a_file_size_limit_on_a_blob_is_store_full(tmp_path):
+    res = run_worker("fsize", tmp_path / "s", 3_000_000, blob_min=1_000_000)
+    assert res["outcome"] == "error" and res["type"] == "StoreFull", res
+    assert "ulimit" in res["message"] and "nothing was written" in res["message"]
+    assert res["done"] and res["read_after"] is True
+    assert _files(tmp_path / "s") == []  # the partial file is gone
+    with PromptStore(tmp_path / "s") as store:
+        assert store.verify().ok
+        for seed, i in res["done"]:
+            t, c = make_entry(seed, i, big_every=3)
+            assert same_cache(store.get(MODEL, t), c)
+
+
+def test_a_retried_transaction_leaves_one_file(tmp_path, small_blobs):
+    """A put that meets a full map aborts, grows the map and runs again: the
+    first attempt's file goes, the second attempt writes a new one."""
+    tokens, cache = make_entry(14, 0, big_every=1)
+    tokens = tokens * 8  # many index records: more than the tiny map holds
+    cache[0].keys, cache[0].values = mx.concatenate([cache[0].keys] * 8, axis=2), mx.concatenate([cache[0].values] * 8, axis=2)
+    cache[0].offset = len(tokens)
+    cache = cache[:1]
+    writes = []
+    real = _blobs.Blobs.write
+
+    def counting(self, name, views):
+        writes.append(name)
+        return real(self, name, views)
+
+    with PromptStore(tmp_path / "s", map_size=1 << 16) as store:
+        before = store.env.env.info()["map_size"]
+        _blobs.Blobs.write = counting
+        try:
+            store.put(MODEL, tokens, cache)
+        finally:
+            _blobs.Blobs.write = real
+        assert store.env.env.info()["map_size"] > before and len(writes) >= 2
+        assert _files(tmp_path / "s") == [writes[-1]] == [_man(store, tokens).blob]
+        assert same_cache(store.get(MODEL, tokens), cache)
+
+
+def test_manifests_naming_blobs_fail_closed(tmp_path, small_blobs, monkeypatch):
+    tokens, cache = make_entry(15, 0, big_every=1)
+    small_toks, small = [1, 2, 3], data.tiny_kv(3)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        store.put(MODEL, small_toks, small)
+        eid = _man(store, tokens).entry_id
+        monkeypatch.setattr(_entry, "FORMAT", 1)  # a reader from before blob files
+        with pytest.raises(UnsupportedVersion, match="entry format 2"):
+            store.get(MODEL, tokens)
+        assert same_cache(store.get(MODEL, small_toks), small)  # LMDB entries stay format 1
+        monkeypatch.setattr(_entry, "FORMAT", 2)
+        doc = raw_manifest(store, eid)
+        for bad in ("../../data.mdb", "/etc/passwd", doc["blob"][:-1], doc["blob"].upper(), ""):
+            write_manifest(store, eid, dict(doc, blob=bad))
+            with pytest.raises(CorruptEntry, match="not a blob name"):
+                store.get(MODEL, tokens)
+        write_manifest(store, eid, {k: v for k, v in doc.items() if k != "blob"})
+        with pytest.raises(CorruptEntry, match="'blob' is missing"):
+            store.get(MODEL, tokens)
+        write_manifest(store, eid, dict(doc, format=1))
+        with pytest.raises(CorruptEntry, match="names a blob file"):
+            store.get(MODEL, tokens)
+
+
+def test_compact_and_salvage_keep_blob_entries(tmp_path, small_blobs):
+    from promptstore import _salvage
+
+    (t0, c0), (t1, c1) = make_entry(16, 0, big_every=1), make_entry(16, 1, big_every=0)
+    src = tmp_path / "src"
+    with PromptStore(src) as store:
+        store.put(MODEL, t0, c0)
+        store.put(MODEL, t1, c1)
+        store.compact()
+        assert same_cache(store.get(MODEL, t0), c0) and len(_files(src)) == 1
+    rep = _salvage.salvage(src, tmp_path / "dst")
+    assert len(rep.copied) == 2 and not rep.skipped
+    assert _files(tmp_path / "dst") == _files(src)
+    with PromptStore(tmp_path / "dst") as out:
+        assert same_cache(out.get(MODEL, t0), c0) and same_cache(out.get(MODEL, t1), c1)
+        assert out.verify().ok
