@@ -93,7 +93,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
     try:
         store.put(MODEL, tokens[:1], data.tiny_kv(1))  # for the peak-memory child's warm-up
         store.put(MODEL, tokens, cache)  # the entry every get reads (untimed first put)
-        first_exact = _bits_exact(cache, store.get(MODEL, tokens))  # through LMDB; later gets reuse its offsets
+        first_exact = _bits_exact(cache, store.get(MODEL, tokens))  # the last get is checked too
         rounds = iter(range(1, 1 << 30))
         written: List[int] = []
         last: List[np.ndarray] = []  # the entries the last two steady puts wrote
@@ -106,9 +106,9 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
 
         def drop_older() -> None:
             # Untimed: the store stays at one size, as the reference replaces
-            # its file (a store at its byte budget evicts as it puts). LMDB
-            # reuses pages freed by transaction T from T + 2 on, so the entry
-            # of two puts ago goes: its pages are free for this put.
+            # its file (a store at its byte budget evicts as it puts). The
+            # entry of two puts ago goes (LMDB reuses pages freed by
+            # transaction T from T + 2 on; a blob file is unlinked at once).
             if len(last) >= 2:
                 store.delete(MODEL, last.pop(0))
 
