@@ -251,7 +251,7 @@ class PromptStore(CapacityMixin, InspectMixin):
                 blob=blob_name,
             )
 
-        manifest = None if blob else pack(None)  # bad meta fails here, before any write
+        manifest = pack(None)  # bad meta fails here, before any write (a blob entry's is packed again)
 
         def write(txn: lmdb.Transaction) -> None:
             nonlocal manifest
