@@ -28,6 +28,7 @@ from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, Sto
 
 FORMAT = 2  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file
 BLOB_FORMAT = 2
+BLOB_SUFFIX = ".blob"
 CHUNK = 4 * 1024 * 1024 - 16
 MAX_MANIFEST = 64 * 1024 * 1024
 MAX_TOKENS = 1 << 24
@@ -344,8 +345,6 @@ def _blob_name(name: str) -> bool:
         and all(c in hexdigits for c in head + tail[:16])
     )
 
-
-BLOB_SUFFIX = ".blob"
 
 
 def read_arrays(

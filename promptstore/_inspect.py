@@ -136,17 +136,20 @@ class InspectMixin:
 
     def _stray_blobs(self, txn) -> List[str]:
         """The blob files that no manifest in ``txn`` names. A blob's name
-        starts with its entry's id, so each file costs one manifest read."""
+        starts with its entry's id, so each file costs one manifest read. A
+        file whose entry has a manifest this promptstore cannot read (damaged,
+        or from a newer version) is kept: it may be that entry's."""
         stray = []
         for name in self._blobs.names():
             ekey = txn.get(name[:16].encode(), db=self._db[b"ids"])
             raw = txn.get(bytes(ekey), db=self._db[b"entries"]) if ekey is not None else None
-            try:
-                man = _entry.unpack_manifest(bytes(raw), name[:16]) if raw is not None else None
-            except PromptStoreError:
-                man = None
-            if man is None or man.blob != name:
-                stray.append(name)
+            if raw is not None:
+                try:
+                    if _entry.unpack_manifest(bytes(raw), name[:16]).blob == name:
+                        continue
+                except PromptStoreError:
+                    continue
+            stray.append(name)
         return stray
 
     def verify(self, fix: bool = False) -> VerifyReport:
@@ -216,8 +219,9 @@ class InspectMixin:
         return now is not None and now == raw
 
     def _drop_stray_blobs(self, txn) -> int:
-        """Unlink, once ``txn`` commits, the blob files no manifest in it names
-        (call in a write transaction: see ``_blobs.Blobs.unreferenced``)."""
+        """Unlink, once ``txn`` commits, the blob files no manifest in it names.
+        Only in a write transaction: under the writer lock no put is between
+        writing its file and committing it (see :mod:`promptstore._blobs`)."""
         stray = self._stray_blobs(txn)
         if stray:
             self.env.after_commit(lambda: [self._blobs.unlink(n) for n in stray])

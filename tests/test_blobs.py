@@ -428,6 +428,14 @@ def test_manifests_naming_blobs_fail_closed(tmp_path, small_blobs, monkeypatch):
         write_manifest(store, eid, dict(doc, format=1))
         with pytest.raises(CorruptEntry, match="names a blob file"):
             store.get(MODEL, tokens)
+        store.gc()  # a manifest it cannot read may be the file's: the file stays
+        assert _files(tmp_path / "s") == [doc["blob"]]
+        write_manifest(store, eid, dict(doc, format=_entry.FORMAT + 1))  # a newer promptstore's entry
+        store.gc()
+        assert _files(tmp_path / "s") == [doc["blob"]]
+        assert store.delete(MODEL, tokens)  # the entry goes; its file is then nobody's
+        store.gc()
+        assert _files(tmp_path / "s") == []
 
 
 def test_compact_and_salvage_keep_blob_entries(tmp_path, small_blobs):
