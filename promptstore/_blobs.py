@@ -32,6 +32,7 @@ The rules that keep this as safe as an entry inside LMDB:
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import secrets
@@ -40,6 +41,8 @@ from typing import Any, Dict, List, Sequence
 
 from promptstore import _entry, _fill
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
+
+log = logging.getLogger("promptstore")
 
 MIN_PAYLOAD = 8 << 20  # a payload this large goes to a blob file
 DIRNAME = "blobs"
@@ -146,16 +149,24 @@ class Blobs:
                 mm.close()
 
     def unlink(self, name: str) -> None:
+        """Remove a blob file, best effort: one that cannot be removed stays
+        for ``gc`` (logged)."""
         try:
             os.unlink(self.path(name))
         except FileNotFoundError:
             pass
+        except OSError as err:
+            log.warning("promptstore: cannot remove blob file %s (%s); `promptstore gc` retries", self.path(name), err)
 
     def names(self) -> List[str]:
+        """The blob files present. Raises StoreError when the directory cannot be
+        listed (never an empty answer then: gc must not take it for empty)."""
         try:
             return [n for n in os.listdir(self.dir) if _entry._blob_name(n)]
         except FileNotFoundError:
             return []
+        except OSError as err:
+            raise StoreError(f"{self.dir}: cannot list blob files ({err}); check that it is a directory this user can read") from err
 
     def nbytes(self) -> int:
         """Bytes the blob files take (their sizes)."""

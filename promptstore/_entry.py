@@ -272,6 +272,8 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
         blob = _field(doc, "blob", str, where)
         if not _blob_name(blob):
             raise CorruptEntry(f"{where}: manifest names blob file {blob[:80]!r}, which is not a blob name")
+        if not blob.startswith(str(doc.get("id")) + "-"):  # another entry's file: never read or unlink it
+            raise CorruptEntry(f"{where}: manifest names blob file {blob!r} of another entry")
     elif "blob" in doc:
         raise CorruptEntry(f"{where}: a format {fmt} manifest names a blob file")
     if _field(doc, "chunk_size", int, where) != CHUNK:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from promptstore import _blobs, _entry, _index, _keys
-from promptstore.errors import CorruptEntry, EntryNotFound, ModelMismatch, PromptStoreError
+from promptstore.errors import CorruptEntry, EntryNotFound, ModelMismatch, PromptStoreError, StoreError
 
 if TYPE_CHECKING:
     from promptstore.store import EntryInfo
@@ -73,6 +73,11 @@ class InspectMixin:
             ModelMismatch: ``model`` is given and the entry belongs to another.
             CorruptEntry, UnknownStorageKind, UnsupportedVersion.
         """
+        from promptstore.store import _again
+
+        return _again(lambda lost: self._load_once(key, model))
+
+    def _load_once(self, key: str, model: Optional[str]) -> Tuple[List[Any], EntryInfo, List[int]]:
         with self.env.read(buffers=True) as txn:
             ekey = self._resolve(txn, key)
             man = self._manifest(txn, ekey)
@@ -195,7 +200,8 @@ class InspectMixin:
                 if isinstance(err, _blobs.Vanished) and not self._still(ekey, raw):
                     continue  # deleted or replaced since: its blob went with it
                 problems.append((eid, str(err)))
-                bad[ekey] = raw
+                if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
+                    bad[ekey] = raw
         if fix and (bad or orphans or stray):
             def write(txn) -> None:
                 entries = self._db[b"entries"]

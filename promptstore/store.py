@@ -283,8 +283,11 @@ class PromptStore(CapacityMixin, InspectMixin):
         try:
             self.env.write(write)
         except BaseException:
+            # An interrupt can land after the commit (a signal is handled at the
+            # next bytecode): the file the committed manifest names stays.
             for name in written:
-                self._blobs.unlink(name)
+                if not self._names_blob(ekey, name):
+                    self._blobs.unlink(name)
             raise
         return EntryInfo(
             id=eid,
@@ -310,6 +313,16 @@ class PromptStore(CapacityMixin, InspectMixin):
 
         return rows.put_row(self, model, tokens, batch_cache, row, meta)
 
+    def _names_blob(self, ekey: bytes, name: str) -> bool:
+        """Whether the committed entry at ``ekey`` names blob file ``name``
+        (True when that cannot be read: then the file stays, for gc)."""
+        try:
+            with self.env.read() as txn:
+                man = self._manifest(txn, ekey)
+        except BaseException:
+            return True
+        return man is not None and man.blob == name
+
     def _unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> None:
         """Remove an entry's chunks, index records and bookkeeping."""
         cur = txn.cursor(db=self._db[b"chunks"])
@@ -324,7 +337,7 @@ class PromptStore(CapacityMixin, InspectMixin):
             except PromptStoreError:
                 pass  # damaged manifest: its index records become harmless dead ends (its blob, a leftover)
             else:
-                if man.blob is not None:
+                if man.blob is not None and man.blob.startswith(_keys.entry_id(ekey) + "-"):
                     blob = man.blob
                     self.env.after_commit(lambda: self._blobs.unlink(blob))
         txn.delete(ekey, db=self._db[b"used"])

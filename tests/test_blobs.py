@@ -454,3 +454,118 @@ def test_compact_and_salvage_keep_blob_entries(tmp_path, small_blobs):
     with PromptStore(tmp_path / "dst") as out:
         assert same_cache(out.get(MODEL, t0), c0) and same_cache(out.get(MODEL, t1), c1)
         assert out.verify().ok
+
+
+def test_load_by_id_racing_a_replace_or_delete(tmp_path, small_blobs, monkeypatch):
+    """load(id) (export, `promptstore get KEY`) looks again like get does."""
+    from promptstore import EntryNotFound
+
+    tokens, old = make_entry(17, 0, big_every=1)
+    new = make_entry(17, 2, big_every=1)[1]
+    n = len(tokens)
+    new[0].keys, new[0].values, new[0].offset = new[0].keys[..., :n, :], new[0].values[..., :n, :], n
+    store = PromptStore(tmp_path / "s")
+    eid = store.put(MODEL, tokens, old).id
+    real = _blobs.Blobs.read
+    ready, done, calls = threading.Event(), threading.Event(), []
+
+    def racing(self, man, where):
+        calls.append(man.blob)
+        if len(calls) == 1:
+            ready.set()
+            done.wait()
+        return real(self, man, where)
+
+    monkeypatch.setattr(_blobs.Blobs, "read", racing)
+
+    def load_during(write):
+        calls.clear(), ready.clear(), done.clear()
+        out = []
+
+        def run():
+            try:
+                out.append(store.load(eid)[0])
+            except Exception as err:  # noqa: BLE001
+                out.append(err)
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert ready.wait(30)
+        write()
+        done.set()
+        t.join()
+        return out[0]
+
+    assert same_cache(load_during(lambda: store.put(MODEL, tokens, new)), new)
+    assert isinstance(load_during(lambda: store.delete(MODEL, tokens)), EntryNotFound)
+    store.close()
+
+
+def test_an_interrupt_after_the_commit_keeps_the_committed_file(tmp_path, small_blobs, monkeypatch):
+    """A signal handled just after the commit (here: raised by the after-commit
+    step) must not make put remove the file its committed manifest names."""
+    from promptstore import _env
+
+    tokens, cache = make_entry(18, 0, big_every=1)
+    with PromptStore(tmp_path / "s") as store:
+        def interrupted(self):
+            self._pending.calls = None
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(_env.Env, "_run_pending", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            store.put(MODEL, tokens, cache)
+        monkeypatch.undo()
+        assert _files(tmp_path / "s") == [_man(store, tokens).blob]
+        assert same_cache(store.get(MODEL, tokens), cache)
+
+
+def test_a_manifest_naming_another_entrys_blob_is_corrupt_and_harmless(tmp_path, small_blobs):
+    (ta, ca), (tb, cb) = make_entry(19, 0, big_every=1), make_entry(19, 1, big_every=1)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, ta, ca)
+        b = store.put(MODEL, tb, cb).id
+        doc = raw_manifest(store, b)
+        write_manifest(store, b, dict(doc, blob=_man(store, ta).blob))
+        with pytest.raises(CorruptEntry, match="of another entry"):
+            store.get(MODEL, tb)
+        assert not store.exists(MODEL, tb)
+        store.put(MODEL, tb, cb)  # replacing the damaged entry leaves A's file alone
+        assert same_cache(store.get(MODEL, ta), ca) and same_cache(store.get(MODEL, tb), cb)
+        store.gc()  # B's first file, which no manifest names any more, goes
+        assert sorted(_files(tmp_path / "s")) == sorted([_man(store, ta).blob, _man(store, tb).blob])
+
+
+def test_a_blobs_path_that_is_not_a_directory_gives_typed_errors(tmp_path, small_blobs):
+    from promptstore import StoreError
+
+    path = tmp_path / "s"
+    tokens, cache = make_entry(20, 0, big_every=1)
+    with PromptStore(path) as store:
+        small_toks, small = [1, 2, 3], data.tiny_kv(3)
+        store.put(MODEL, small_toks, small)
+        (path / "blobs").write_bytes(b"not a directory")
+        with pytest.raises(StoreError, match="cannot create a blob file"):
+            store.put(MODEL, tokens, cache)
+        for call in (store.verify, lambda: store.verify(fix=True), store.gc, store.file_size):
+            with pytest.raises(StoreError, match="cannot list blob files"):
+                call()
+        assert same_cache(store.get(MODEL, small_toks), small) and store.get(MODEL, tokens) is None
+
+
+def test_verify_fix_keeps_an_entry_whose_file_cannot_be_read(tmp_path, small_blobs, monkeypatch):
+    """A read that fails (permissions, I/O) is reported, but is not damage: --fix keeps the entry."""
+    from promptstore import StoreError
+
+    tokens, cache = make_entry(21, 0, big_every=1)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+
+        def failing(self, man, where):
+            raise StoreError(f"{where}: cannot open blob file {man.blob} ([Errno 13] Permission denied)")
+
+        monkeypatch.setattr(_blobs.Blobs, "read", failing)
+        rep = store.verify(fix=True)
+        assert not rep.ok and "Permission denied" in rep.problems[0][1]
+        monkeypatch.undo()
+        assert same_cache(store.get(MODEL, tokens), cache) and len(_files(tmp_path / "s")) == 1
