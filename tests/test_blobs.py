@@ -285,7 +285,8 @@ def test_a_replacing_writer_process_and_a_reader_process(tmp_path):
 
 
 def test_sigkill_during_puts_to_blob_files(tmp_path):
-    res = run_worker("crash", tmp_path / "store", 25, 3, "none", blob_min=SMALL)
+    kills = 150 if os.environ.get("PROMPTSTORE_STRESS") == "1" else 25
+    res = run_worker("crash", tmp_path / "store", kills, 3, "none", blob_min=SMALL)
     assert res["errors"] == [] and res["inflight_at_kill"] >= 5
     store = check_after_crashes(tmp_path / "store", res["done"])
     with store.env.read() as txn:
