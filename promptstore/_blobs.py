@@ -37,12 +37,13 @@ import mmap
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Set, TypeVar
 
 from promptstore import _entry, _fill
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
 
 log = logging.getLogger("promptstore")
+T = TypeVar("T")
 
 MIN_PAYLOAD = 8 << 20  # a payload this large goes to a blob file
 DIRNAME = "blobs"
@@ -59,6 +60,29 @@ class Vanished(CorruptEntry):
     def __init__(self, message: str, blob: str):
         super().__init__(message)
         self.blob = blob
+
+
+_LOOKS = 8
+
+
+def again(read: Callable[[Set[str]], T]) -> T:
+    """``read(lost)``, run again on a new snapshot while it meets a blob file
+    that vanished (:class:`Vanished`): the entry was deleted or
+    replaced after the snapshot was taken. A blob missing twice is lost:
+    the second snapshot was taken after the first look failed and still
+    names it. ``lost`` holds such blobs (lookup skips their entries); other
+    reads raise the second Vanished, a CorruptEntry. After ``_LOOKS`` looks
+    at an entry replaced every time, the last error is raised.
+    """
+    seen: Set[str] = set()
+    for attempt in range(_LOOKS):
+        try:
+            return read(seen)
+        except Vanished as err:
+            if err.blob in seen or attempt == _LOOKS - 1:
+                raise
+            seen.add(err.blob)
+    raise AssertionError("unreachable")
 
 
 def new_name(entry_id: str) -> str:

@@ -73,9 +73,7 @@ class InspectMixin:
             ModelMismatch: ``model`` is given and the entry belongs to another.
             CorruptEntry, UnknownStorageKind, UnsupportedVersion.
         """
-        from promptstore.store import _again
-
-        return _again(lambda lost: self._load_once(key, model))
+        return _blobs.again(lambda lost: self._load_once(key, model))
 
     def _load_once(self, key: str, model: Optional[str]) -> Tuple[List[Any], EntryInfo, List[int]]:
         with self.env.read(buffers=True) as txn:

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import lmdb
 import numpy as np
@@ -38,7 +38,6 @@ __all__ = ["PromptStore", "EntryInfo", "Hit", "VerifyReport", "default_path"]
 log = logging.getLogger("promptstore")
 
 STORE_FORMAT = 1
-T = TypeVar("T")
 _F64 = struct.Struct(">d")
 _U64 = struct.Struct(">Q")
 
@@ -497,7 +496,7 @@ class PromptStore(CapacityMixin, InspectMixin):
         return None if hit is None else hit.cache
 
     def _get_exact(self, model: str, toks: np.ndarray) -> Optional[Hit]:
-        return _again(lambda lost: self._get_exact_once(model, toks))
+        return _blobs.again(lambda lost: self._get_exact_once(model, toks))
 
     def _get_exact_once(self, model: str, toks: np.ndarray) -> Optional[Hit]:
         ekey = _keys.entry_key(_keys.model_id(model), toks)
@@ -547,7 +546,7 @@ class PromptStore(CapacityMixin, InspectMixin):
         """
         mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        return _again(lambda lost: self._lookup_once(model, mid, toks, lost))
+        return _blobs.again(lambda lost: self._lookup_once(model, mid, toks, lost))
 
     def _lookup_once(self, model: str, mid: bytes, toks: np.ndarray, lost: Set[str]) -> Optional[Hit]:
         with self.env.read(buffers=True) as txn:
@@ -581,29 +580,6 @@ class PromptStore(CapacityMixin, InspectMixin):
         except PromptStoreError as err:
             log.warning("promptstore: skipping entry %s: %s", _keys.entry_id(ekey), err)
             return None
-
-
-_LOOKS = 8
-
-
-def _again(read: Callable[[Set[str]], T]) -> T:
-    """``read(lost)``, run again on a new snapshot while it meets a blob file
-    that vanished (:class:`_blobs.Vanished`): the entry was deleted or
-    replaced after the snapshot was taken. A blob missing twice is lost:
-    the second snapshot was taken after the first look failed and still
-    names it. ``lost`` holds such blobs (lookup skips their entries); other
-    reads raise the second Vanished, a CorruptEntry. After ``_LOOKS`` looks
-    at an entry replaced every time, the last error is raised.
-    """
-    seen: Set[str] = set()
-    for attempt in range(_LOOKS):
-        try:
-            return read(seen)
-        except _blobs.Vanished as err:
-            if err.blob in seen or attempt == _LOOKS - 1:
-                raise
-            seen.add(err.blob)
-    raise AssertionError("unreachable")
 
 
 def _trim(cache: List[Any], n: int) -> None:

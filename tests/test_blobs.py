@@ -154,39 +154,53 @@ def test_a_blob_replaced_during_a_read_is_read_again(tmp_path, small_blobs, monk
     new[0].keys, new[0].values = new[0].keys[..., : old[0].offset, :], new[0].values[..., : old[0].offset, :]
     store = PromptStore(tmp_path / "s")
     store.put(MODEL, tokens, old)
-    real = _blobs.Blobs.read
-    calls = []
-    ready, done = threading.Event(), threading.Event()
+    race = _Race(monkeypatch)
+    got = race.read(lambda: store.get(MODEL, tokens), lambda: store.put(MODEL, tokens, new))
+    assert same_cache(got, new)
+    assert len(race.calls) == 2 and race.calls[0] != race.calls[1]
+    assert race.read(lambda: store.get(MODEL, tokens), lambda: store.delete(MODEL, tokens)) is None  # a miss
+    assert len(race.calls) == 1
+    store.close()
 
-    def racing(self, man, where):
-        calls.append(man.blob)
-        if len(calls) == 1:  # inside the reader's snapshot, before it opens the file
-            ready.set()
-            done.wait()
-        return real(self, man, where)
 
-    def read_in_thread(write):
-        """get() on a thread (mlx arrays belong to the thread that made them, so
-        the write runs here) while ``write`` commits in the middle of it."""
-        calls.clear()
-        ready.clear()
-        done.clear()
+class _Race:
+    """Runs a read on a thread and, once the read's snapshot names a blob file
+    but before it opens it, a write on this thread (mlx arrays belong to the
+    thread that made them, so the write, with its cache, stays here)."""
+
+    def __init__(self, monkeypatch):
+        self.real = _blobs.Blobs.read
+        self.calls = []
+        self.ready, self.done = threading.Event(), threading.Event()
+        monkeypatch.setattr(_blobs.Blobs, "read", lambda blobs, man, where: self._racing(blobs, man, where))
+
+    def _racing(self, blobs, man, where):
+        self.calls.append(man.blob)
+        if len(self.calls) == 1:
+            self.ready.set()
+            self.done.wait()
+        return self.real(blobs, man, where)
+
+    def read(self, read, write):
+        """``read()``'s result, or the exception it raised."""
+        self.calls.clear()
+        self.ready.clear()
+        self.done.clear()
         out = []
-        t = threading.Thread(target=lambda: out.append(store.get(MODEL, tokens)))
+
+        def run():
+            try:
+                out.append(read())
+            except Exception as err:  # noqa: BLE001
+                out.append(err)
+
+        t = threading.Thread(target=run)
         t.start()
-        assert ready.wait(30)
+        assert self.ready.wait(30), out
         write()
-        done.set()
+        self.done.set()
         t.join()
         return out[0]
-
-    monkeypatch.setattr(_blobs.Blobs, "read", racing)
-    got = read_in_thread(lambda: store.put(MODEL, tokens, new))
-    assert same_cache(got, new)
-    assert len(calls) == 2 and calls[0] != calls[1]
-    assert read_in_thread(lambda: store.delete(MODEL, tokens)) is None  # deleted meanwhile: a miss
-    assert len(calls) == 1
-    store.close()
 
 
 def test_readers_and_a_replacing_writer_in_threads(tmp_path, small_blobs):
@@ -467,38 +481,9 @@ def test_load_by_id_racing_a_replace_or_delete(tmp_path, small_blobs, monkeypatc
     new[0].keys, new[0].values, new[0].offset = new[0].keys[..., :n, :], new[0].values[..., :n, :], n
     store = PromptStore(tmp_path / "s")
     eid = store.put(MODEL, tokens, old).id
-    real = _blobs.Blobs.read
-    ready, done, calls = threading.Event(), threading.Event(), []
-
-    def racing(self, man, where):
-        calls.append(man.blob)
-        if len(calls) == 1:
-            ready.set()
-            done.wait()
-        return real(self, man, where)
-
-    monkeypatch.setattr(_blobs.Blobs, "read", racing)
-
-    def load_during(write):
-        calls.clear(), ready.clear(), done.clear()
-        out = []
-
-        def run():
-            try:
-                out.append(store.load(eid)[0])
-            except Exception as err:  # noqa: BLE001
-                out.append(err)
-
-        t = threading.Thread(target=run)
-        t.start()
-        assert ready.wait(30)
-        write()
-        done.set()
-        t.join()
-        return out[0]
-
-    assert same_cache(load_during(lambda: store.put(MODEL, tokens, new)), new)
-    assert isinstance(load_during(lambda: store.delete(MODEL, tokens)), EntryNotFound)
+    race = _Race(monkeypatch)
+    assert same_cache(race.read(lambda: store.load(eid)[0], lambda: store.put(MODEL, tokens, new)), new)
+    assert isinstance(race.read(lambda: store.load(eid)[0], lambda: store.delete(MODEL, tokens)), EntryNotFound)
     store.close()
 
 
