@@ -34,7 +34,8 @@ def gc(obj, budget, dry_run, yes, as_json):
     """Evict least-recently-used unpinned entries until the store fits its budget.
 
     With --budget, the new budget is stored first (every later put then evicts
-    by itself). The data file does not shrink: run `promptstore compact`.
+    by itself). Also removes blob files no entry names (left by killed puts).
+    The data file does not shrink: run `promptstore compact`.
     """
     store = obj.store
     new_budget = None if budget is None or budget.lower() == "none" else parse_bytes(budget)
