@@ -20,7 +20,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -167,17 +167,37 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]]) -> int:
 
 def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]]]]) -> List[int]:
     """Run every ``(host, segments)`` job on the pool; return their digests
-    in order. Returns (or raises the first job's error) only once every job
-    has finished, so no thread still writes or reads when it does."""
-    order = sorted(range(len(jobs)), key=lambda k: -jobs[k][0].nbytes)  # longest first: the two threads end together
+    in order. Returns (or raises the first error) only once every job has
+    finished, so no thread still writes or reads when it does.
+
+    The jobs go out as one lane per thread, balanced by size (longest
+    first, each to the lighter lane), rather than one pool task each: a
+    4K-token restore has ~100 arrays, and handing them out one by one cost
+    3-4 ms of a 30 ms fill here.
+    """
+    lanes: List[List[int]] = [[] for _ in range(_WORKERS)]
+    loads = [0] * _WORKERS
+    for k in sorted(range(len(jobs)), key=lambda k: -jobs[k][0].nbytes):
+        lane = loads.index(min(loads))
+        lanes[lane].append(k)
+        loads[lane] += jobs[k][0].nbytes
+    digests: List[int] = [0] * len(jobs)
+
+    def run(lane: List[int]) -> None:
+        for k in lane:
+            digests[k] = _job(fd, *jobs[k])
+
     pool = _executor()
-    futures: Dict[int, Future] = {}
+    futures: List[Future] = []
     try:
-        for k in order:
-            futures[k] = pool.submit(_job, fd, *jobs[k])
+        for lane in lanes:
+            if lane:
+                futures.append(pool.submit(run, lane))
     finally:
-        _wait_all(list(futures.values()))  # even when a submit failed: nothing may still run
-    return [futures[k].result() for k in range(len(jobs))]
+        _wait_all(futures)  # even when a submit failed: nothing may still run
+    for f in futures:
+        f.result()
+    return digests
 
 
 def _wait_all(futures: List[Future]) -> None:
