@@ -111,12 +111,12 @@ def _host_bytes(a: mx.array) -> memoryview:
     return memoryview(np.asarray(a)).cast("B")
 
 
-def prepare(layers: Sequence[Encoded], checksums: bool = True) -> Tuple[List[dict], List[memoryview], int]:
+def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], int]:
     """Evaluate every array contiguously and lay out the payload.
 
     Returns the manifest's layer records, the byte views in payload order and
-    the payload size. With ``checksums=False`` the records' checksums are
-    left as None for :func:`add_checksums` to fill in later.
+    the payload size. The records' checksums are None until
+    :func:`add_checksums` fills them in (a put overlaps that with writing).
     """
     flat = [mx.contiguous(a) for enc in layers for a in enc.arrays.values()]
     mx.eval(flat)
@@ -130,7 +130,7 @@ def prepare(layers: Sequence[Encoded], checksums: bool = True) -> Tuple[List[dic
             if dtype is None:
                 raise CorruptEntry(f"kind {enc.kind!r}: array {name!r} has unsupported dtype {a.dtype}")
             buf = _host_bytes(a)
-            arrays.append([name, dtype, list(a.shape), offset, buf.nbytes, xxhash.xxh3_64_intdigest(buf) if checksums else None])
+            arrays.append([name, dtype, list(a.shape), offset, buf.nbytes, None])
             views.append(buf)
             offset += buf.nbytes
         records.append({"kind": enc.kind, "version": enc.version, "meta": enc.meta, "arrays": arrays})

@@ -223,7 +223,7 @@ class PromptStore(CapacityMixin, InspectMixin):
         if meta is not None and not isinstance(meta, dict):
             raise InvalidInput("meta must be a dict")
         encoded = [encode_layer(layer) for layer in layers]
-        records, views, payload = _entry.prepare(encoded, checksums=False)
+        records, views, payload = _entry.prepare(encoded)
         blob = payload >= _blobs.MIN_PAYLOAD
         # A blob entry's checksums are computed while its file is written.
         hashing = _fill.submit(_entry.add_checksums, records, views) if blob else None
