@@ -40,6 +40,7 @@ if sys.platform.startswith("linux"):
     try:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     except (OSError, AttributeError):
         _libc = None
 
