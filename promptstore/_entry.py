@@ -409,30 +409,40 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     (:mod:`_fill`), into mlx buffers that nothing has written before
     (:mod:`_blank`). An array of a chunk's size or more gets a buffer of its
     own; smaller ones (the recurrent and conv states) share buffers of up to
-    16 MiB, each starting on a 64-byte boundary, and are views of them: one
-    buffer costs the loader about 0.1 ms, and a restore can hold thousands
-    of small arrays. Raises CorruptEntry on a checksum mismatch or a file too
-    short, StoreError when reading fails.
+    16 MiB: one buffer costs the loader about 0.1 ms, and a restore can hold
+    thousands of small arrays.
+
+    Every array starts at the same address modulo 64 as its bytes in the
+    file, so the kernel's copy moves whole cache lines: mlx's buffers start
+    24 bytes past a page boundary, and reading 160 MB from page-aligned file
+    offsets into such addresses took 29 ms on two threads here, 12 ms when
+    source and destination were equally aligned. Each array therefore gets
+    64 bytes of slack in its buffer and is a view at the matching offset.
+    Raises CorruptEntry on a checksum mismatch or a file too short,
+    StoreError when reading fails.
     """
     recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
-    place: Dict[int, Tuple[int, int]] = {}  # array -> (buffer, start)
+    place: Dict[int, Tuple[int, int]] = {}  # array -> (buffer, start of its room)
     sizes: List[int] = []
     slab: Optional[int] = None  # the buffer small arrays go to
     for i, (_, rec) in enumerate(recs):
+        if not rec.nbytes:
+            continue
+        room = rec.nbytes + _ALIGN
         if rec.nbytes >= CHUNK:
             place[i] = (len(sizes), 0)
-            sizes.append(rec.nbytes)
-        elif rec.nbytes:
-            start = 0 if slab is None else -(-sizes[slab] // _ALIGN) * _ALIGN
-            if slab is None or start + rec.nbytes > _SLAB:
-                slab, start = len(sizes), 0
-                sizes.append(0)
-            place[i] = (slab, start)
-            sizes[slab] = start + rec.nbytes
+            sizes.append(room)
+            continue
+        start = 0 if slab is None else -(-sizes[slab] // _ALIGN) * _ALIGN
+        if slab is None or start + room > _SLAB:
+            slab, start = len(sizes), 0
+            sizes.append(0)
+        place[i] = (slab, start)
+        sizes[slab] = start + room
     bufs = _blank.blank(sizes)
     hosts = [np.asarray(b) for b in bufs]
-    jobs = []
-    for i, (b, start) in place.items():
+    jobs, starts = [], {}
+    for i, (b, room) in place.items():
         rec = recs[i][1]
         segments, apos = [], 0
         while apos < rec.nbytes:
@@ -440,6 +450,8 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
             take = min(rec.nbytes - apos, CHUNK - cpos)
             segments.append((offsets[ci] + cpos, take))
             apos += take
+        start = room + (segments[0][0] - hosts[b].ctypes.data - room) % _ALIGN
+        starts[i] = start
         jobs.append((hosts[b][start : start + rec.nbytes], segments))
     try:
         digests = dict(zip(place, _fill.fill(fd, jobs)))
@@ -453,9 +465,8 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
             flat.append(_empty(rec))
             continue
         _verify(digests[i], li, rec, where)
-        b, start = place[i]
-        whole = bufs[b] if start == 0 and rec.nbytes == sizes[b] else bufs[b][start : start + rec.nbytes]
-        flat.append(whole.view(DTYPES[rec.dtype]).reshape(rec.shape))
+        b, start = place[i][0], starts[i]
+        flat.append(bufs[b][start : start + rec.nbytes].view(DTYPES[rec.dtype]).reshape(rec.shape))
     return _by_layer(man, flat)
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from _raw import raw_manifest, write_manifest
@@ -60,6 +61,32 @@ def test_a_large_entry_is_one_blob_file_and_restores_bit_exactly(tmp_path):
         assert store.verify().ok and store.verify().orphan_blobs == 0
     with PromptStore(tmp_path / "s", readonly=True) as ro:
         assert same_cache(ro.get(MODEL, tokens), cache)
+
+
+def test_restored_arrays_sit_at_their_file_alignment(tmp_path, small_blobs):
+    """Each array read from a blob starts at the address its bytes have in the
+    file, modulo 64 (the kernel then copies whole cache lines), whatever the
+    sizes before it; and the arrays are still bit-exact."""
+    from mlx_lm.models.cache import KVCache
+
+    cache = []
+    for i, dim in enumerate((24, 8, 40, 16, 64)):  # 1204 * dim bytes: offsets off 64
+        layer = KVCache()
+        k = mx.random.normal((1, 2, 301, dim), key=mx.random.key(i)).astype(mx.bfloat16)
+        layer.update_and_fetch(k, k * 3)
+        cache.append(layer)
+    tokens = list(range(1, 302))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        man = _man(store, tokens)
+        assert man.blob is not None and len({rec.offset % 64 for layer in man.layers for rec in layer.arrays}) > 1
+        arrays = store._blobs.read(man, "test")
+        for layer, got in zip(man.layers, arrays, strict=True):
+            for rec in layer.arrays:
+                a = got[rec.name]
+                mx.eval(a)
+                assert np.asarray(a.view(mx.uint16)).ctypes.data % 64 == rec.offset % 64
+        assert same_cache(store.get(MODEL, tokens), cache)
 
 
 def test_small_entries_stay_in_lmdb(store):
