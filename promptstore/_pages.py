@@ -43,6 +43,9 @@ if sys.platform.startswith("linux"):
         _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     except (OSError, AttributeError):
         _libc = None
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
 Span = Tuple[int, int, int, int, int]  # lo, hi, file offset at lo, st_dev, st_ino

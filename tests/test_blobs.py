@@ -20,7 +20,8 @@ import pytest
 from _raw import raw_manifest, write_manifest
 from _workers import MODEL, make_entry, same_cache
 from test_crash import check_after_crashes, run_worker
-from promptstore import CorruptEntry, PromptStore, UnsupportedVersion, _blobs, _entry, _keys
+from promptstore import CorruptEntry, PromptStore, UnsupportedVersion, _blobs, _entry, _keys, _pages
+from promptstore.codecs import encode_layer
 from promptstore import _bench_data as data
 
 HERE = Path(__file__).resolve().parent
@@ -86,6 +87,29 @@ def test_restored_arrays_sit_at_their_file_alignment(tmp_path, small_blobs):
                 a = got[rec.name]
                 mx.eval(a)
                 assert np.asarray(a.view(mx.uint16)).ctypes.data % 64 == rec.offset % 64
+        assert same_cache(store.get(MODEL, tokens), cache)
+
+
+def test_writeback_in_small_steps_keeps_every_byte(tmp_path, small_blobs, monkeypatch):
+    """The blob write starts the disk write of each step as it goes; with
+    steps that split arrays at odd places the file is still the payload,
+    byte for byte, and the entry restores bit-exactly."""
+    calls = []
+    real = _pages._sync_file_range
+    if real is None:
+        pytest.skip("no sync_file_range here")
+    monkeypatch.setattr(_pages, "_sync_file_range", lambda *a: calls.append(a[1:3]) or real(*a))
+    monkeypatch.setattr(_blobs, "WRITEBACK", 4099)
+    tokens, cache = make_entry(4, 0, big_every=1)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        man = _man(store, tokens)
+        (name,) = _files(tmp_path / "s")
+        assert len(calls) > 10 and calls[0] == (0, 4099) and all(n >= 4099 for _, n in calls)
+        assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))  # contiguous ranges
+        _, views, _ = _entry.prepare([encode_layer(layer) for layer in cache])
+        assert (tmp_path / "s" / "blobs" / name).read_bytes() == b"".join(bytes(v) for v in views)
+        assert man.payload == sum(v.nbytes for v in views)
         assert same_cache(store.get(MODEL, tokens), cache)
 
 
