@@ -62,7 +62,7 @@ class Plan:
 
     shape: data.Shape
     sizes: tuple  # tokens of the throughput caches
-    repeats: int
+    repeats: tuple  # rounds of the throughput case, per size (more where a round is short and noise large)
     lookup_sizes: tuple
     lookup_repeats: int
     prefill_lengths: tuple
@@ -70,8 +70,8 @@ class Plan:
     row_tokens: int
 
 
-FULL = Plan(data.QWEN3_NEXT_80B, (4096, 32768), 5, (100, 1000, 10000), 50, (256, 512, 1024, 2048), 3, 4096)
-QUICK = Plan(data.QUICK, (256, 1024), 2, (10, 50), 3, (64,), 1, 256)
+FULL = Plan(data.QWEN3_NEXT_80B, (4096, 32768), (15, 5), (100, 1000, 10000), 50, (256, 512, 1024, 2048), 3, 4096)
+QUICK = Plan(data.QUICK, (256, 1024), (2, 2), (10, 50), 3, (64,), 1, 256)
 
 
 def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
@@ -106,18 +106,18 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
         out["throughput"] = []
         out["memory"] = []
         out["throughput_hugetlb"] = []
-        for n in plan.sizes:
+        for n, repeats in zip(plan.sizes, plan.repeats):
             work = tmp / f"t{n}"
             work.mkdir()
             progress(f"throughput: {n}-token cache")
-            out["throughput"].append(cases.throughput_child(work, plan.shape, n, plan.repeats))
+            out["throughput"].append(cases.throughput_child(work, plan.shape, n, repeats))
             progress(f"peak memory: get of the {n}-token entry")
             out["memory"].append(cases.peak_memory(work, n))
             shutil.rmtree(work, ignore_errors=True)
             if HUGETLB:
                 work.mkdir()
                 progress(f"throughput: {n}-token cache, GLIBC_TUNABLES={HUGETLB}")
-                out["throughput_hugetlb"].append(cases.throughput_child(work, plan.shape, n, plan.repeats, {"GLIBC_TUNABLES": HUGETLB}))
+                out["throughput_hugetlb"].append(cases.throughput_child(work, plan.shape, n, repeats, {"GLIBC_TUNABLES": HUGETLB}))
                 shutil.rmtree(work, ignore_errors=True)
         progress("lookup latency vs store size")
         out["lookup"] = cases.lookup(tmp, plan.lookup_sizes, plan.lookup_repeats)
