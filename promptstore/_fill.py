@@ -144,8 +144,23 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def submit(fn: Callable[..., T], *args: Any) -> "Future[T]":
-    """Run ``fn(*args)`` on the fill threads (work to overlap with I/O on the caller's thread)."""
-    return _executor().submit(fn, *args)
+    """Run ``fn(*args)`` on the fill threads (work to overlap with I/O on the
+    caller's thread); on this thread, before returning, when the pool takes
+    no more work (the interpreter is exiting: a put from an atexit handler)."""
+    try:
+        return _executor().submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        return _done(fn, *args)
+
+
+def _done(fn: Callable[..., T], *args: Any) -> "Future[T]":
+    """A future of ``fn(*args)`` run here and now."""
+    future: "Future[T]" = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as err:  # noqa: BLE001 - delivered through the future, as from the pool
+        future.set_exception(err)
+    return future
 
 
 def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
@@ -234,12 +249,11 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]]]]) 
         for k in lane:
             digests[k] = _job(fd, *jobs[k])
 
-    pool = _executor()
     futures: List[Future] = []
     try:
         for lane in lanes:
             if lane:
-                futures.append(pool.submit(run, lane))
+                futures.append(submit(run, lane))
     finally:
         _wait_all(futures)  # even when a submit failed: nothing may still run
     for f in futures:

@@ -603,3 +603,37 @@ def test_verify_fix_keeps_an_entry_whose_file_cannot_be_read(tmp_path, small_blo
         assert not rep.ok and "Permission denied" in rep.problems[0][1]
         monkeypatch.undo()
         assert same_cache(store.get(MODEL, tokens), cache) and len(_files(tmp_path / "s")) == 1
+
+
+def test_get_and_put_from_an_atexit_handler(tmp_path):
+    """At interpreter exit the thread pool takes no more work: reads and the
+    put's checksums then run on the calling thread, with the same results."""
+    code = textwrap.dedent(
+        f"""
+        import atexit, sys
+        sys.path.insert(0, {str(HERE)!r})
+        from promptstore import PromptStore, _blobs
+        from _workers import make_entry, same_cache
+        _blobs.MIN_PAYLOAD = {SMALL}
+        store = PromptStore({str(tmp_path / "s")!r})
+        (t0, c0), (t1, c1) = make_entry(7, 5), make_entry(7, 11)
+        store.put("m", t0, c0)
+        store.get("m", t0)  # the pool exists and has threads
+
+        def at_exit():
+            assert same_cache(store.get("m", t0), c0)
+            store.put("m", t1, c1)
+            assert same_cache(store.get("m", t1), c1)
+            store.close()
+            print("exit ok", flush=True)
+
+        atexit.register(at_exit)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "exit ok", proc.stderr
+    assert len(_files(tmp_path / "s")) == 2
+    with PromptStore(tmp_path / "s") as store:
+        assert same_cache(store.get("m", make_entry(7, 11)[0]), make_entry(7, 11)[1])
+        assert store.verify().ok
