@@ -442,7 +442,7 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     bufs = _blank.blank(sizes)
     hosts = [np.asarray(b) for b in bufs]
     jobs, starts = [], {}
-    for i, (b, room) in place.items():
+    for i, (b, base) in place.items():
         rec = recs[i][1]
         segments, apos = [], 0
         while apos < rec.nbytes:
@@ -450,7 +450,7 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
             take = min(rec.nbytes - apos, CHUNK - cpos)
             segments.append((offsets[ci] + cpos, take))
             apos += take
-        start = room + (segments[0][0] - hosts[b].ctypes.data - room) % _ALIGN
+        start = base + (segments[0][0] - hosts[b].ctypes.data - base) % _ALIGN
         starts[i] = start
         jobs.append((hosts[b][start : start + rec.nbytes], segments))
     try:

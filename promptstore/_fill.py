@@ -45,9 +45,10 @@ def _huge_pages() -> bool:
             mode = f.read()
     except OSError:
         mode = ""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    hugetlb = any(t.strip() in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables.split(":"))
-    return "[always]" in mode or ("[madvise]" in mode and hugetlb) or "glibc.malloc.hugetlb=2" in tunables
+    tunables = {t.strip() for t in os.environ.get("GLIBC_TUNABLES", "").split(":")}
+    if "glibc.malloc.hugetlb=2" in tunables:
+        return True
+    return "[always]" in mode or ("[madvise]" in mode and "glibc.malloc.hugetlb=1" in tunables)
 
 
 _HUGE = _huge_pages()
