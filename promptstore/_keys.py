@@ -24,8 +24,9 @@ _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 MAX_TOKEN = (1 << 32) - 1
 
-_pows = np.ones(1, dtype=np.uint64)
-_inv_pows = np.ones(1, dtype=np.uint64)
+# (B**i, B**-i) for i < len: replaced whole, never changed in place, so a
+# thread that took the pair has two tables of the same length.
+_tables = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
 
 
 def as_tokens(tokens) -> np.ndarray:
@@ -72,13 +73,17 @@ def entry_id(ekey: bytes) -> str:
     return hashlib.blake2b(ekey, digest_size=8).hexdigest()
 
 
-def _grow(n: int) -> None:
-    global _pows, _inv_pows
-    if len(_pows) >= n:
-        return
-    size = max(n, 2 * len(_pows))
-    _pows = _powers(_B, size)
-    _inv_pows = _powers(_B_INV, size)
+def _powers_upto(n: int):
+    """``(B**i, B**-i)`` for ``i < n`` at least. Threads may race to grow the
+    tables; each gets a consistent pair either way."""
+    global _tables
+    tables = _tables
+    if len(tables[0]) >= n:
+        return tables
+    size = max(n, 2 * len(tables[0]))
+    tables = (_powers(_B, size), _powers(_B_INV, size))
+    _tables = tables
+    return tables
 
 
 def _powers(base: int, size: int) -> np.ndarray:
@@ -93,12 +98,12 @@ def _powers(base: int, size: int) -> np.ndarray:
 def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
     """``h[i]`` = hash of ``tokens[:i]`` for ``i`` in ``0..len(tokens)`` (uint64)."""
     n = len(tokens)
-    _grow(n + 1)
+    pows, inv_pows = _powers_upto(n + 1)
     t = tokens.astype(np.uint64) + np.uint64(1)
     out = np.zeros(n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        s = np.cumsum(t * _inv_pows[:n], dtype=np.uint64)
-        out[1:] = s * _pows[:n]
+        s = np.cumsum(t * inv_pows[:n], dtype=np.uint64)
+        out[1:] = s * pows[:n]
     return out
 
 

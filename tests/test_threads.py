@@ -82,3 +82,34 @@ def test_compacting_in_one_thread_while_others_get(tmp_path):
             t.join()
         assert not errors, errors
         assert compactions[0] >= 3 and gets[0] >= 10
+
+
+def test_prefix_hashes_from_threads_growing_the_power_tables(monkeypatch):
+    """The power tables behind the index hashes grow on demand; threads that
+    race to grow them (puts and lookups of ever longer prompts) each hash
+    with a consistent pair of tables: the same hashes one thread computes."""
+    import numpy as np
+
+    from promptstore import _keys
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 150_000, size=n, dtype=np.uint32) for n in range(1, 6000, 37)]
+    expected = [_keys.prefix_hashes(p) for p in prompts]
+    for _attempt in range(10):
+        monkeypatch.setattr(_keys, "_tables", (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)))
+        errors, start = [], threading.Barrier(4)
+
+        def hasher(k):
+            try:
+                start.wait()
+                for i in range(k, len(prompts), 2):
+                    assert np.array_equal(_keys.prefix_hashes(prompts[i]), expected[i])
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+
+        threads = [threading.Thread(target=hasher, args=(k % 2,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
