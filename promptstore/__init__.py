@@ -19,6 +19,7 @@ from promptstore.errors import (
     ModelMismatch,
     PromptStoreError,
     RoundError,
+    StoreClosed,
     StoreError,
     StoreFull,
     StoreUnavailable,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from promptstore import _blobs, _entry, _index, _keys
-from promptstore.errors import CorruptEntry, EntryNotFound, ModelMismatch, PromptStoreError, StoreError
+from promptstore.errors import CorruptEntry, EntryNotFound, ModelMismatch, PromptStoreError, StoreClosed, StoreError
 
 if TYPE_CHECKING:
     from promptstore.store import EntryInfo
@@ -194,6 +194,8 @@ class InspectMixin:
                     if man.entry_id != eid or _keys.model_id(man.model) != ekey[:16] or _keys.entry_key(ekey[:16], man.tokens) != ekey:
                         raise CorruptEntry(f"entry {eid}: manifest does not match its key")
                     self._restore(txn, ekey, man, remembered=False)
+            except StoreClosed:
+                raise  # closed by another thread: the rest was not checked, not found damaged
             except PromptStoreError as err:
                 if isinstance(err, _blobs.Vanished) and not self._still(ekey, raw):
                     continue  # deleted or replaced since: its blob went with it

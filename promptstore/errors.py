@@ -36,6 +36,7 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreUnavailable",
+    "StoreClosed",
 ]
 
 
@@ -100,3 +101,8 @@ class StoreFull(StoreError):
 
 class StoreUnavailable(StoreError):
     """The store cannot be opened or used from here (damaged file, forked process)."""
+
+
+class StoreClosed(PromptStoreError):
+    """The PromptStore was closed (maybe by another thread while this
+    operation, made of several transactions, was between two of them)."""

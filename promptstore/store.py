@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from promptstore import _blobs, _budget, _entry, _fill, _index, _keys, _pages
 from promptstore._capacity import CapacityMixin
 from promptstore._inspect import InspectMixin, VerifyReport
-from promptstore._env import DEFAULT_MAP_SIZE, Env
+from promptstore._env import CLOSE_TIMEOUT, DEFAULT_MAP_SIZE, Env, closed_error
 from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
 from promptstore.errors import (
     CorruptEntry,
@@ -124,16 +124,36 @@ class PromptStore(CapacityMixin, InspectMixin):
                 raise UnsupportedVersion(f"{self.path}: store format {fmt} is newer than this promptstore ({STORE_FORMAT}); upgrade")
             raise CorruptEntry(f"{self.path}: store format record is damaged")
 
-    def close(self) -> None:
-        """Flush recorded usage and close the environment."""
-        if self._env is None:
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Flush recorded usage and close the store; safe while other threads use it.
+
+        From the call on, a new operation raises PromptStoreError ("the store
+        is closed"). Operations already in flight in other threads finish
+        normally: close() waits for them, then flushes and closes the files.
+        An operation made of several transactions (``verify``, ``gc``) may
+        be cut between two of them by that error. Calling close() again, or
+        from several threads, is harmless. In a forked child it only drops
+        this object's reference (the environment belongs to the parent).
+
+        Args:
+            timeout: seconds to wait for operations in flight.
+
+        Raises:
+            StoreUnavailable: called while this thread is inside an operation
+                of the store (from a callback, or holding a half-consumed
+                iterator over ``store.env.read()``), or operations in flight
+                outlast ``timeout``. The store then still refuses new
+                operations and its files close when the last of those
+                transactions ends; usage is not flushed.
+        """
+        env = self._env
+        if env is None:
             return
         try:
-            if os.getpid() == self._env.pid:
-                self.flush()
+            env.close(timeout, last=self.flush if os.getpid() == env.pid else None)
         finally:
-            self._env.close()
-            self._env = None
+            if env.closed or os.getpid() != env.pid:
+                self._env = None
 
     def __enter__(self) -> "PromptStore":
         return self
@@ -142,16 +162,19 @@ class PromptStore(CapacityMixin, InspectMixin):
         self.close()
 
     def __del__(self) -> None:  # best effort; explicit close() is the contract
+        # Never waits: with transactions still open (on an Env someone kept),
+        # the last of them closes the files.
         try:
-            if getattr(self, "_env", None) is not None and os.getpid() == self._env.pid:
-                self._env.close()
+            env = getattr(self, "_env", None)
+            if env is not None:
+                env.close(timeout=0)
         except Exception:
             pass
 
     @property
     def env(self) -> Env:
         if self._env is None:
-            raise PromptStoreError(f"{self.path}: the store is closed")
+            raise closed_error(self.path)
         return self._env
 
     # -- usage bookkeeping (kept off the read path) ----------------------------
