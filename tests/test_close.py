@@ -212,23 +212,32 @@ def test_operations_after_close_raise_the_closed_error(filled):
     store.close()  # again: nothing to do
 
 
+def _holder(store, nested=None):
+    """A thread holding a read transaction until ``proceed`` is set; it then
+    records the entry count through it and runs ``nested()`` inside it."""
+    env = store.env
+    opened, proceed, seen = threading.Event(), threading.Event(), {}
+
+    def hold():
+        with env.read() as txn:
+            opened.set()
+            proceed.wait(10)
+            seen["stat"] = txn.stat(store._db[b"entries"])["entries"]
+            if nested is not None:
+                seen["nested"] = nested()
+
+    h = threading.Thread(target=hold)
+    h.start()
+    assert opened.wait(10)
+    return h, proceed, seen
+
+
 def test_close_waits_for_a_transaction_in_flight(filled):
     store, entries = filled
     tokens, cache = entries[0]
     env = store.env
-    opened, proceed, seen = threading.Event(), threading.Event(), {}
-
-    def holder():
-        with env.read() as txn:
-            opened.set()
-            proceed.wait(10)
-            # Still usable, and an operation nested in it runs, though close() has begun.
-            seen["stat"] = txn.stat(store._db[b"entries"])["entries"]
-            seen["same"] = same_cache(store.get(MODEL, tokens), cache)
-
-    h = threading.Thread(target=holder)
-    h.start()
-    assert opened.wait(10)
+    # Still usable, and an operation nested in it runs, though close() has begun.
+    h, proceed, seen = _holder(store, lambda: same_cache(store.get(MODEL, tokens), cache))
     closer = threading.Thread(target=store.close)
     closer.start()
     assert _closed_soon(store, tokens)
@@ -238,7 +247,7 @@ def test_close_waits_for_a_transaction_in_flight(filled):
     h.join(10)
     closer.join(10)
     assert not closer.is_alive() and env.closed
-    assert seen == {"stat": 2, "same": True}
+    assert seen == {"stat": 2, "nested": True}
     with PromptStore(store.path) as again:
         assert again.verify().ok
         assert same_cache(again.get(MODEL, tokens), cache)
@@ -333,20 +342,9 @@ def test_an_iterator_half_consumed_on_another_thread(filled):
 
 
 def test_del_never_waits_and_leaves_a_transaction_in_flight_intact(filled):
-    store, entries = filled
-    tokens, cache = entries[0]
+    store, _ = filled
     env = store.env
-    opened, proceed, seen = threading.Event(), threading.Event(), {}
-
-    def holder():
-        with env.read() as txn:
-            opened.set()
-            proceed.wait(10)
-            seen["stat"] = txn.stat(store._db[b"entries"])["entries"]
-
-    h = threading.Thread(target=holder)
-    h.start()
-    assert opened.wait(10)
+    h, proceed, seen = _holder(store)
     t0 = time.monotonic()
     store.__del__()  # what garbage collection runs
     assert time.monotonic() - t0 < 1
