@@ -376,7 +376,7 @@ def restore_vs_prefill(workdir: Path, model_dir: Path, lengths: Sequence[int], r
     """Time to first token on the fixture hybrid: cold prefill of the whole
     prompt vs ``lookup`` of the stored prompt-minus-one and one forward step."""
     from promptstore import fingerprint
-    from promptstore.prefill import load_model, make_cache, prefill
+    from promptstore.prefill import load_model, prefill
 
     model, _ = load_model(str(model_dir))
     fp = fingerprint(model_dir)
