@@ -26,14 +26,7 @@ starts just before a switch sees a consistent, slightly older snapshot).
 Old generations' files are unlinked; processes still mapping them keep
 them alive until they move on.
 
-Closing while other threads work. py-lmdb releases the GIL inside some calls
-(value preloading, commit) and large restores ``pread`` the data file on
-worker threads, so closing the environment or that descriptor under a
-transaction may crash the process or read another file. Every :meth:`Env.read`,
-:meth:`Env.write` and :meth:`Env.compact` is counted, per thread, while in
-flight; :meth:`Env.close` refuses new ones, waits (bounded) for those, and
-only then closes. An operation nested in one already in flight on the same
-thread still runs, so an operation never fails half-way inside a transaction.
+Closing while other threads work: :mod:`promptstore._gate`.
 """
 
 from __future__ import annotations
@@ -52,7 +45,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 import lmdb
 
 from promptstore import _pages
-from promptstore.errors import StoreClosed, StoreError, StoreFull, StoreUnavailable
+from promptstore._gate import CLOSE_TIMEOUT, Gate
+from promptstore.errors import StoreError, StoreFull, StoreUnavailable
 
 log = logging.getLogger("promptstore")
 
@@ -64,13 +58,6 @@ DBS = (b"entries", b"chunks", b"nodes", b"ends", b"segs", b"used", b"ids", b"inf
 _DUPSORT = {b"ends", b"segs"}
 CURRENT = "CURRENT"
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
-CLOSE_TIMEOUT = 60.0  # seconds close() waits for operations in flight in other threads
-_OPEN, _CLOSING, _CLOSED = "open", "closing", "closed"
-
-
-def closed_error(path: Path) -> StoreClosed:
-    """The error of an operation started on a closed store."""
-    return StoreClosed(f"{path}: the store is closed; open a new PromptStore")
 
 
 def live_dir(path: Path) -> Tuple[Path, str]:
@@ -134,11 +121,7 @@ class Env:
         self.db: Dict[bytes, object] = {}
         self._lock = threading.Condition()
         self._pending = threading.local()  # callbacks to run once this thread's write commits
-        self._state = _OPEN
-        self._ops: Dict[object, int] = {}  # thread token -> operations it has in flight (see close)
-        self._tokens = threading.local()  # a token per thread: thread ids are reused, tokens are not
-        self._closer: Optional[object] = None  # the token of the thread running close()'s last transactions
-        self._waiting = 0  # close() calls waiting for operations in flight
+        self._gate = Gate(path, self._lock, lambda: self._gen.close())  # operations in flight; close()
         if not readonly:
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -220,7 +203,7 @@ class Env:
     @property
     def closed(self) -> bool:
         """True once the files are closed (not merely closing, see :meth:`close`)."""
-        return self._state == _CLOSED
+        return self._gate.closed
 
     def check_pid(self) -> None:
         if os.getpid() != self.pid:
@@ -228,43 +211,6 @@ class Env:
                 f"{self.path}: this PromptStore was opened in process {self.pid} and is used in "
                 f"{os.getpid()}; LMDB environments cannot cross fork(): open a new PromptStore in the child"
             )
-
-    # -- operations in flight (see close) -----------------------------------------
-
-    def _token(self) -> object:
-        token = getattr(self._tokens, "token", None)
-        if token is None:
-            token = self._tokens.token = object()
-        return token
-
-    def _enter(self) -> object:
-        """Count an operation of this thread as in flight and return the thread's
-        token. Once close() has begun only an operation nested in one this
-        thread has in flight, or close()'s own flush, may start."""
-        me = self._token()
-        with self._lock:
-            if self._state != _OPEN and not self._ops.get(me) and me != self._closer:
-                raise closed_error(self.path)
-            self._ops[me] = self._ops.get(me, 0) + 1
-        return me
-
-    def _leave(self, me: object) -> None:
-        """End an operation of thread ``me`` (maybe ended by another thread:
-        a generator holding a transaction may be collected anywhere)."""
-        with self._lock:
-            if self._ops[me] > 1:
-                self._ops[me] -= 1
-            else:
-                del self._ops[me]
-            if self._state == _CLOSING and not self._ops and self._closer is None and not self._waiting:
-                self._finish()  # close() stopped waiting: the last operation closes the files
-            self._lock.notify_all()
-
-    def _finish(self) -> None:
-        """Close the files (under the lock, nothing in flight)."""
-        if self._state != _CLOSED:
-            self._state = _CLOSED
-            self._gen.close()
 
     # -- generation switch -----------------------------------------------------
 
@@ -316,8 +262,7 @@ class Env:
         """A raw transaction on the live generation (prefer :meth:`read`/:meth:`write`).
         Not counted as in flight: :meth:`close` does not wait for it."""
         self.check_pid()
-        if self._state != _OPEN:
-            raise closed_error(self.path)
+        self._gate.check()
         return self._begin(self._gen, write, buffers)
 
     @contextmanager
@@ -325,7 +270,7 @@ class Env:
         """A short read transaction. Buffers from it die with it. Held open,
         it holds up :meth:`close` (which waits for it, then gives up)."""
         self.check_pid()
-        me = self._enter()
+        me = self._gate.enter()
         try:
             gen = self._follow()
             try:
@@ -339,7 +284,7 @@ class Env:
             finally:
                 self._release(gen)
         finally:
-            self._leave(me)
+            self._gate.leave(me)
 
     def after_commit(self, call: Callable[[], None]) -> None:
         """Run ``call`` once the write transaction this thread is inside has
@@ -363,11 +308,11 @@ class Env:
         """Run ``fn(txn)`` in a write transaction and commit; grow the map and
         retry when it is full. All or nothing: on error nothing is written."""
         self.check_pid()
-        me = self._enter()
+        me = self._gate.enter()
         try:
             return self._write(fn)
         finally:
-            self._leave(me)
+            self._gate.leave(me)
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         moved = False
@@ -416,11 +361,11 @@ class Env:
         self.check_pid()
         if self.readonly:
             raise StoreUnavailable(f"{self.path}: cannot compact a store opened read-only")
-        me = self._enter()
+        me = self._gate.enter()
         try:
             return self._compact()
         finally:
-            self._leave(me)
+            self._gate.leave(me)
 
     def _compact(self) -> Tuple[int, int]:
         while True:
@@ -502,66 +447,12 @@ class Env:
         return data
 
     def close(self, timeout: float = CLOSE_TIMEOUT, last: Optional[Callable[[], None]] = None) -> None:
-        """Close the environment, safely while other threads use it.
-
-        From the call on, a new operation raises the closed error. Operations
-        in flight finish normally; once none is left, ``last`` runs (its own
-        operations allowed: the final flush) and the files are closed. In a
-        forked child nothing is touched (the parent's environment, and maybe
-        its lock, came across the fork). Calling it again, or from several
-        threads, is harmless: every call returns once the files are closed.
-
-        Raises:
-            StoreUnavailable: this thread has an operation in flight (close()
-                from inside a transaction, a callback, or a half-consumed
-                iterator holding :meth:`read`), or others still have after
-                ``timeout`` seconds. The store stays closed to new operations
-                and its files are closed when the last of those ends; ``last``
-                does not run.
-        """
-        if os.getpid() != self.pid:
-            return
-        me = self._token()
-        with self._lock:
-            if self._state == _CLOSED:
-                return
-            self._state = _CLOSING
-            if self._ops.get(me):
-                raise StoreUnavailable(
-                    f"{self.path}: close() was called while this thread has a transaction of the store open "
-                    "(inside an operation or a callback of it, or a half-consumed iterator holding "
-                    "`env.read()`); the store refuses new operations and closes when that transaction ends"
-                )
-            deadline = time.monotonic() + max(timeout, 0.0)
-            self._waiting += 1
-            try:
-                while self._state != _CLOSED and (self._ops or self._closer is not None):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        what = (
-                            f"{sum(self._ops.values())} operation(s) in flight in {len(self._ops)} other thread(s) "
-                            "(a transaction held open, e.g. by a half-consumed iterator over `env.read()`)"
-                            if self._ops
-                            else "another close() to flush"
-                        )
-                        raise StoreUnavailable(
-                            f"{self.path}: close() waited {timeout:g} s for {what}; the store refuses new "
-                            "operations and closes its files when they end"
-                        )
-                    self._lock.wait(left)
-            finally:
-                self._waiting -= 1
-            if self._state == _CLOSED:
-                return
-            self._closer = me
-        try:
-            if last is not None:
-                last()
-        finally:
-            with self._lock:
-                self._closer = None
-                self._finish()
-                self._lock.notify_all()
+        """Close the environment, safely while other threads use it
+        (:meth:`promptstore._gate.Gate.close`). In a forked child nothing is
+        touched: the parent's environment, and maybe its lock, came across
+        the fork."""
+        if os.getpid() == self.pid:
+            self._gate.close(timeout, last)
 
 
 def pages_needed(env: lmdb.Environment) -> int:

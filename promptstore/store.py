@@ -20,7 +20,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from promptstore import _blobs, _budget, _entry, _fill, _index, _keys, _pages
 from promptstore._capacity import CapacityMixin
 from promptstore._inspect import InspectMixin, VerifyReport
-from promptstore._env import CLOSE_TIMEOUT, DEFAULT_MAP_SIZE, Env, closed_error
+from promptstore._env import DEFAULT_MAP_SIZE, Env
+from promptstore._gate import CLOSE_TIMEOUT, closed_error
 from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
 from promptstore.errors import (
     CorruptEntry,

@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from _raw import raw_manifest, write_manifest
 from _workers import MODEL, make_entry, same_cache
 from test_crash import check_after_crashes, run_worker
-from promptstore import CorruptEntry, PromptStore, UnsupportedVersion, _blobs, _entry, _keys, _pages
-from promptstore.codecs import encode_layer
+from promptstore import CorruptEntry, PromptStore, UnsupportedVersion, _blobs, _entry, _keys
 from promptstore import _bench_data as data
 
 HERE = Path(__file__).resolve().parent
@@ -62,55 +60,6 @@ def test_a_large_entry_is_one_blob_file_and_restores_bit_exactly(tmp_path):
         assert store.verify().ok and store.verify().orphan_blobs == 0
     with PromptStore(tmp_path / "s", readonly=True) as ro:
         assert same_cache(ro.get(MODEL, tokens), cache)
-
-
-def test_restored_arrays_sit_at_their_file_alignment(tmp_path, small_blobs):
-    """Each array read from a blob starts at the address its bytes have in the
-    file, modulo 64 (the kernel then copies whole cache lines), whatever the
-    sizes before it; and the arrays are still bit-exact."""
-    from mlx_lm.models.cache import KVCache
-
-    cache = []
-    for i, dim in enumerate((24, 8, 40, 16, 64)):  # 1204 * dim bytes: offsets off 64
-        layer = KVCache()
-        k = mx.random.normal((1, 2, 301, dim), key=mx.random.key(i)).astype(mx.bfloat16)
-        layer.update_and_fetch(k, k * 3)
-        cache.append(layer)
-    tokens = list(range(1, 302))
-    with PromptStore(tmp_path / "s") as store:
-        store.put(MODEL, tokens, cache)
-        man = _man(store, tokens)
-        assert man.blob is not None and len({rec.offset % 64 for layer in man.layers for rec in layer.arrays}) > 1
-        arrays = store._blobs.read(man, "test")
-        for layer, got in zip(man.layers, arrays, strict=True):
-            for rec in layer.arrays:
-                a = got[rec.name]
-                mx.eval(a)
-                assert np.asarray(a.view(mx.uint16)).ctypes.data % 64 == rec.offset % 64
-        assert same_cache(store.get(MODEL, tokens), cache)
-
-
-def test_writeback_in_small_steps_keeps_every_byte(tmp_path, small_blobs, monkeypatch):
-    """The blob write starts the disk write of each step as it goes; with
-    steps that split arrays at odd places the file is still the payload,
-    byte for byte, and the entry restores bit-exactly."""
-    calls = []
-    real = _pages._sync_file_range
-    if real is None:
-        pytest.skip("no sync_file_range here")
-    monkeypatch.setattr(_pages, "_sync_file_range", lambda *a: calls.append(a[1:3]) or real(*a))
-    monkeypatch.setattr(_blobs, "WRITEBACK", 4099)
-    tokens, cache = make_entry(4, 0, big_every=1)
-    with PromptStore(tmp_path / "s") as store:
-        store.put(MODEL, tokens, cache)
-        man = _man(store, tokens)
-        (name,) = _files(tmp_path / "s")
-        assert len(calls) > 10 and calls[0] == (0, 4099) and all(n >= 4099 for _, n in calls)
-        assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))  # contiguous ranges
-        _, views, _ = _entry.prepare([encode_layer(layer) for layer in cache])
-        assert (tmp_path / "s" / "blobs" / name).read_bytes() == b"".join(bytes(v) for v in views)
-        assert man.payload == sum(v.nbytes for v in views)
-        assert same_cache(store.get(MODEL, tokens), cache)
 
 
 def test_small_entries_stay_in_lmdb(store):
@@ -603,37 +552,3 @@ def test_verify_fix_keeps_an_entry_whose_file_cannot_be_read(tmp_path, small_blo
         assert not rep.ok and "Permission denied" in rep.problems[0][1]
         monkeypatch.undo()
         assert same_cache(store.get(MODEL, tokens), cache) and len(_files(tmp_path / "s")) == 1
-
-
-def test_get_and_put_from_an_atexit_handler(tmp_path):
-    """At interpreter exit the thread pool takes no more work: reads and the
-    put's checksums then run on the calling thread, with the same results."""
-    code = textwrap.dedent(
-        f"""
-        import atexit, sys
-        sys.path.insert(0, {str(HERE)!r})
-        from promptstore import PromptStore, _blobs
-        from _workers import make_entry, same_cache
-        _blobs.MIN_PAYLOAD = {SMALL}
-        store = PromptStore({str(tmp_path / "s")!r})
-        (t0, c0), (t1, c1) = make_entry(7, 5), make_entry(7, 11)
-        store.put("m", t0, c0)
-        store.get("m", t0)  # the pool exists and has threads
-
-        def at_exit():
-            assert same_cache(store.get("m", t0), c0)
-            store.put("m", t1, c1)
-            assert same_cache(store.get("m", t1), c1)
-            store.close()
-            print("exit ok", flush=True)
-
-        atexit.register(at_exit)
-        """
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "exit ok", proc.stderr
-    assert len(_files(tmp_path / "s")) == 2
-    with PromptStore(tmp_path / "s") as store:
-        assert same_cache(store.get("m", make_entry(7, 11)[0]), make_entry(7, 11)[1])
-        assert store.verify().ok
