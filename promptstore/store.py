@@ -128,24 +128,16 @@ class PromptStore(CapacityMixin, InspectMixin):
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush recorded usage and close the store; safe while other threads use it.
 
-        From the call on, a new operation raises PromptStoreError ("the store
-        is closed"). Operations already in flight in other threads finish
-        normally: close() waits for them, then flushes and closes the files.
-        An operation made of several transactions (``verify``, ``gc``) may
-        be cut between two of them by that error. Calling close() again, or
-        from several threads, is harmless. In a forked child it only drops
-        this object's reference (the environment belongs to the parent).
-
-        Args:
-            timeout: seconds to wait for operations in flight.
+        New operations raise StoreClosed from the call on; those in flight in
+        other threads finish, then usage is flushed and the files close
+        (the rules: :meth:`promptstore._gate.Gate.close`). An operation of
+        several transactions (``verify``, ``gc``) cut by it raises StoreClosed.
+        In a forked child it only drops this object's reference.
 
         Raises:
-            StoreUnavailable: called while this thread is inside an operation
-                of the store (from a callback, or holding a half-consumed
-                iterator over ``store.env.read()``), or operations in flight
-                outlast ``timeout``. The store then still refuses new
-                operations and its files close when the last of those
-                transactions ends; usage is not flushed.
+            StoreUnavailable: called inside an operation of this thread, or
+                operations in flight outlast ``timeout`` seconds; the files
+                then close when the last of them ends (usage not flushed).
         """
         env = self._env
         if env is None:
