@@ -1,9 +1,11 @@
 """How a blob's bytes move: every array read to the address its bytes have
-in the file (modulo 64), the disk write started as the file is written, and
-the read and checksum pool at interpreter exit."""
+in the file (modulo 64), into buffers the arrays share, populated only when
+fresh; the disk write started as the file is written; and the read and
+checksum pool at interpreter exit."""
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import pytest
 
 from _workers import MODEL, make_entry, same_cache
 from test_blobs import HERE, SMALL, _files, _man
-from promptstore import PromptStore, _blobs, _entry, _pages
+from promptstore import PromptStore, _blobs, _entry, _fill, _pages
 from promptstore.codecs import encode_layer
 
 
@@ -47,6 +49,75 @@ def test_restored_arrays_sit_at_their_file_alignment(tmp_path, small_blobs):
                 mx.eval(a)
                 assert np.asarray(a.view(mx.uint16)).ctypes.data % 64 == rec.offset % 64
         assert same_cache(store.get(MODEL, tokens), cache)
+
+
+def _kv_cache(dims, n=301):
+    from mlx_lm.models.cache import KVCache
+
+    cache = []
+    for i, dim in enumerate(dims):
+        layer = KVCache()
+        k = mx.random.normal((1, 2, n, dim), key=mx.random.key(i)).astype(mx.bfloat16)
+        layer.update_and_fetch(k, k * 3)
+        cache.append(layer)
+    return cache
+
+
+def test_an_update_in_place_leaves_the_arrays_sharing_its_buffer_alone(tmp_path, small_blobs):
+    """Restored arrays are views of a few shared buffers; writing into one
+    (as a full RotatingKVCache does) changes that array only."""
+    cache = _kv_cache((64, 64, 32))
+    tokens = list(range(1, 302))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        got = store.get(MODEL, tokens)
+    mx.eval([a for layer in got for a in (layer.keys, layer.values)])
+    addrs = sorted(np.asarray(a.view(mx.uint16)).ctypes.data for layer in got for a in (layer.keys, layer.values))
+    assert addrs[-1] - addrs[0] < 2 * sum(layer.keys.nbytes + layer.values.nbytes for layer in got)  # one buffer
+    want = [tuple(np.array(a[..., : layer.offset, :].view(mx.uint16)) for a in (layer.keys, layer.values)) for layer in cache]
+    got[1].keys[..., 5:9, :] = mx.zeros((1, 2, 4, 64), dtype=mx.bfloat16)
+    mx.eval(got[1].keys)
+    want[1][0][..., 5:9, :] = 0
+    for (k, v), layer in zip(want, got, strict=True):
+        assert np.array_equal(np.asarray(layer.keys.view(mx.uint16)), k)
+        assert np.array_equal(np.asarray(layer.values.view(mx.uint16)), v)
+
+
+def test_resident_tells_touched_pages_from_fresh_ones():
+    m = mmap.mmap(-1, 8 << 20)
+    host = np.frombuffer(m, dtype=np.uint8)
+    try:
+        assert not _fill.resident(host)
+        host[: 4 << 20] = 1
+        assert not _fill.resident(host) and _fill.resident(host[: 4 << 20])
+        host[:] = 2
+        assert _fill.resident(host) and _fill.resident(host[7:-7])
+    finally:
+        del host
+        m.close()
+
+
+def test_only_fresh_buffers_are_populated(tmp_path, small_blobs, monkeypatch):
+    """A get into buffers mlx's cache hands back (resident) skips
+    MADV_POPULATE_WRITE; one into fresh buffers populates each array."""
+    calls = []
+    real = _fill._populate
+    monkeypatch.setattr(_fill, "_populate", lambda addr, n: calls.append(n) or real(addr, n))
+    cache = _kv_cache((256, 256), n=2048)  # 2 MiB arrays: over the populate minimum
+    tokens = list(range(1, 2049))
+    limit = mx.set_cache_limit(1 << 30)
+    try:
+        with PromptStore(tmp_path / "s") as store:
+            store.put(MODEL, tokens, cache)
+            mx.clear_cache()
+            assert same_cache(store.get(MODEL, tokens), cache)
+            assert len(calls) == 4
+            del calls[:]
+            assert same_cache(store.get(MODEL, tokens), cache)  # the buffers of the first, from mlx's cache
+            assert calls == []
+    finally:
+        mx.set_cache_limit(limit)
+        mx.clear_cache()
 
 
 def test_writeback_in_small_steps_keeps_every_byte(tmp_path, small_blobs, monkeypatch):
