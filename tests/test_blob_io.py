@@ -100,21 +100,24 @@ def test_resident_tells_touched_pages_from_fresh_ones():
 def test_only_fresh_buffers_are_populated(tmp_path, small_blobs, monkeypatch):
     """A get into buffers mlx's cache hands back (resident) skips
     MADV_POPULATE_WRITE; one into fresh buffers populates each array."""
-    calls = []
-    real = _fill._populate
-    monkeypatch.setattr(_fill, "_populate", lambda addr, n: calls.append(n) or real(addr, n))
-    cache = _kv_cache((256, 256), n=2048)  # 2 MiB arrays: over the populate minimum
-    tokens = list(range(1, 2049))
+    calls, seen = [], []
+    real_populate, real_resident = _fill._populate, _fill.resident
+    monkeypatch.setattr(_fill, "_populate", lambda addr, n: calls.append(n) or real_populate(addr, n))
+    monkeypatch.setattr(_fill, "resident", lambda host: seen.append(real_resident(host)) or seen[-1])
+    # 12 MiB arrays, one 48 MiB buffer: over glibc's largest mmap threshold,
+    # so a fresh one is a new mapping, never recycled heap memory.
+    cache = _kv_cache((256, 256), n=12288)
+    tokens = list(range(1, 12289))
     limit = mx.set_cache_limit(1 << 30)
     try:
         with PromptStore(tmp_path / "s") as store:
             store.put(MODEL, tokens, cache)
             mx.clear_cache()
             assert same_cache(store.get(MODEL, tokens), cache)
-            assert len(calls) == 4
-            del calls[:]
-            assert same_cache(store.get(MODEL, tokens), cache)  # the buffers of the first, from mlx's cache
-            assert calls == []
+            assert seen == [False] and len(calls) == 4
+            del calls[:], seen[:]
+            assert same_cache(store.get(MODEL, tokens), cache)  # the buffer of the first, from mlx's cache
+            assert seen == [True] and calls == []
     finally:
         mx.set_cache_limit(limit)
         mx.clear_cache()
