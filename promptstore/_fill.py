@@ -173,6 +173,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
+def _whole_pages(addr: int, n: int) -> Tuple[int, int]:
+    """The pages wholly inside ``[addr, addr + n)``, as ``(lo, hi)``."""
+    return (addr + _pages._PAGE - 1) & ~(_pages._PAGE - 1), (addr + n) & ~(_pages._PAGE - 1)
+
+
 def resident(host: np.ndarray) -> bool:
     """Whether every page of ``host`` is in memory: a buffer mlx's cache
     handed back, which :func:`_populate` must leave alone. One ``mincore``
@@ -180,8 +185,7 @@ def resident(host: np.ndarray) -> bool:
     fill threads instead, the checks took 2-5 ms of a 4K-token restore."""
     if _pages._libc is None:
         return False
-    addr, n = host.ctypes.data, host.nbytes
-    lo, hi = (addr + _pages._PAGE - 1) & ~(_pages._PAGE - 1), (addr + n) & ~(_pages._PAGE - 1)
+    lo, hi = _whole_pages(host.ctypes.data, host.nbytes)
     if hi <= lo:
         return True
     present = np.empty((hi - lo) // _pages._PAGE, dtype=np.uint8)
@@ -202,7 +206,7 @@ def _populate(addr: int, n: int) -> None:
     """
     if _pages._libc is None or _HUGE or n < _POPULATE_MIN:
         return
-    lo, hi = (addr + _pages._PAGE - 1) & ~(_pages._PAGE - 1), (addr + n) & ~(_pages._PAGE - 1)
+    lo, hi = _whole_pages(addr, n)
     if hi > lo:
         _pages._libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
 
@@ -214,7 +218,7 @@ class ShortRead(Exception):
         super().__init__(f"the data file ends inside bytes [{offset}, {offset + length})")
 
 
-def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]], fresh: bool = True) -> int:
+def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]], fresh: bool) -> int:
     """Read ``segments`` (file offset, length) back to back into ``host``,
     first populating its pages if ``fresh``; return the xxh3-64 of ``host``."""
     assert _XXH3 is not None
@@ -239,11 +243,11 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]], fresh: 
         return int(_XXH3.XXH3_64bits_digest(state))
 
 
-def fill(fd: int, jobs: Sequence[Tuple[Any, ...]]) -> List[int]:
-    """Run every ``(host, segments[, fresh])`` job (see :func:`_job`) on the
-    pool; return their digests
-    in order. Returns (or raises the first error) only once every job has
-    finished, so no thread still writes or reads when it does.
+def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]], bool]]) -> List[int]:
+    """Run every ``(host, segments, fresh)`` job (see :func:`_job`) on the
+    pool; return their digests in order. Returns (or raises the first
+    error) only once every job has finished, so no thread still writes or
+    reads when it does.
 
     The jobs go out as one lane per thread, balanced by size (longest
     first, each to the lighter lane), rather than one pool task each: a
