@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 import click
 
 from promptstore import InvalidInput
-from promptstore.prefill import encode_prompt
+from promptstore.jobs.prefill import encode_prompt
 
 
 def prompt_options(fn: Callable) -> Callable:

@@ -6,7 +6,7 @@ import click
 
 from promptstore import fingerprint
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, warn
-from promptstore.interop import export_entry
+from promptstore.jobs.interop import export_entry
 
 
 @command()

@@ -8,8 +8,8 @@ from promptstore import fingerprint
 from promptstore.cli._common import command, emit_json, guarded, info_json, json_option, model_option
 from promptstore.cli._prompt import prompt_options, prompt_tokens
 from promptstore.cli.put import progress_bar
-from promptstore.interop import write_mlx_cache_file
-from promptstore.prefill import load_model, make_cache, prefill
+from promptstore.jobs.interop import write_mlx_cache_file
+from promptstore.jobs.prefill import load_model, make_cache, prefill
 
 
 @command()

@@ -8,8 +8,8 @@ from promptstore import fingerprint
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, model_option
 from promptstore.cli._prompt import prompt_options, read_prompt
 from promptstore.cli.put import parse_meta
-from promptstore.interop import import_mlx_cache_file
-from promptstore.prefill import encode_prompt, load_model
+from promptstore.jobs.interop import import_mlx_cache_file
+from promptstore.jobs.prefill import encode_prompt, load_model
 
 
 @command("import")

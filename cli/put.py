@@ -7,10 +7,10 @@ import sys
 import click
 
 from promptstore import fingerprint
-from promptstore.checkpoints import message_boundaries, needs_checkpoints, prefill_with_checkpoints
+from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints, prefill_with_checkpoints
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, model_option
 from promptstore.cli._prompt import prompt_options, read_prompt
-from promptstore.prefill import encode_prompt, load_model
+from promptstore.jobs.prefill import encode_prompt, load_model
 
 
 def parse_meta(pairs) -> dict:

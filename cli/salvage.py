@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from promptstore._salvage import salvage as run_salvage
+from promptstore.store._salvage import salvage as run_salvage
 from promptstore.cli._common import command, emit_json, guarded, json_option
 
 

@@ -28,7 +28,7 @@ def serve(obj, model_dir, as_json, server_args):
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise click.BadParameter(f"{model_dir}: not an mlx-lm model directory (no config.json)", param_hint="--model")
-    from promptstore._serving_server import serve as run_server
+    from promptstore.serving._server import serve as run_server
 
     stats = run_server(str(path), list(server_args), store=obj.store)
     if as_json:

@@ -6,9 +6,9 @@ import sys
 
 import click
 
-from promptstore import warmup as run_warmup
+from promptstore.jobs import warmup as run_warmup
 from promptstore.cli._common import emit_json, format_size, guarded, json_option
-from promptstore.prefill import load_model
+from promptstore.jobs.prefill import load_model
 
 
 class _Bar:

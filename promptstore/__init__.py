@@ -27,14 +27,14 @@ from promptstore.errors import (
     UnsupportedVersion,
 )
 from promptstore.identity import fingerprint
-from promptstore.speculative import SpeculativeResult, SpeculativeStats, speculative_generate, speculative_generate_step
+from promptstore.ssm.speculative import SpeculativeResult, SpeculativeStats, speculative_generate, speculative_generate_step
 from promptstore.ssm import SSMCache, adapt, unadapt
 from promptstore.ssm import make_prompt_cache as make_ssm_prompt_cache
 from promptstore.store import EntryInfo, Hit, PromptStore, VerifyReport, default_path
 from promptstore.serving import PersistentPromptCache, model_identity
-from promptstore._budget import GcReport
-from promptstore._salvage import SalvageReport, salvage
-from promptstore.warmup import LineError, WarmupSummary, warmup
+from promptstore.store._budget import GcReport
+from promptstore.store._salvage import SalvageReport, salvage
+from promptstore.jobs.warmup import LineError, WarmupSummary, warmup
 
 __version__ = "0.1.0"
 

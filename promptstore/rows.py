@@ -364,7 +364,7 @@ def put_row(store: Any, model: str, tokens: Sequence[int], batch_cache: Sequence
             ``len(tokens)``, or no layer can tell the row's coverage.
         and everything ``PromptStore.put`` raises.
     """
-    from promptstore._keys import as_tokens
+    from promptstore.store._keys import as_tokens
 
     layers = _layers(batch_cache)
     n = len(as_tokens(tokens))

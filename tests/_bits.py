@@ -1,5 +1,5 @@
-"""Bit-exact array comparison for the tests (see ``promptstore._bits``)."""
+"""Bit-exact array comparison for the tests (see ``promptstore.format._bits``)."""
 
-from promptstore._bits import bits_equal
+from promptstore.format._bits import bits_equal
 
 __all__ = ["bits_equal"]

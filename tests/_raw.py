@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from promptstore import _keys
+from promptstore.store import _keys
 
 
 def ekey_of(store, entry_id: str) -> bytes:

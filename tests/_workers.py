@@ -251,7 +251,7 @@ def _damage_child(path: str, expect: list, fd: int) -> None:
 
 def _salvage_child(src: str, dst: str, fd: int) -> None:
     from promptstore import PromptStoreError
-    from promptstore._salvage import salvage
+    from promptstore.store._salvage import salvage
 
     try:
         rep = salvage(src, dst)
@@ -372,12 +372,12 @@ if __name__ == "__main__":
     import mlx.core  # noqa: F401
     import mlx_lm.models.cache  # noqa: F401
     import promptstore  # noqa: F401
-    import promptstore._salvage  # noqa: F401
+    import promptstore.store._salvage  # noqa: F401
 
     if os.environ.get("PROMPTSTORE_TEST_BLOB_MIN"):  # payloads from this size on go to blob files
-        import promptstore._blobs
+        import promptstore.format._blobs
 
-        promptstore._blobs.MIN_PAYLOAD = int(os.environ["PROMPTSTORE_TEST_BLOB_MIN"])
+        promptstore.format._blobs.MIN_PAYLOAD = int(os.environ["PROMPTSTORE_TEST_BLOB_MIN"])
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "crash":
         res = crash(args[0], int(args[1]), int(args[2]), args[3])

@@ -14,9 +14,10 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from promptstore import PromptStore, _entry, _pages
-from promptstore import _bench_data as data
-from promptstore._bench_mem import _status
+from promptstore import PromptStore
+from promptstore.format import _entry, _pages
+from promptstore.bench import _data as data
+from promptstore.bench._mem import _status
 from promptstore.bench import targets
 from promptstore.cli import main
 from promptstore.cli.bench import render
@@ -80,7 +81,7 @@ def _fake(get_s=1.0, load_s=1.5, memcpy_s=0.6, put_s=1.0, file_s=0.9, rss=1.2e9,
 
 
 def test_interleaved_rounds_alternate_order_and_run_befores_first():
-    from promptstore._bench_cases import interleaved
+    from promptstore.bench._cases import interleaved
 
     calls = []
     ops = {name: (lambda n=name: calls.append("before-" + n), lambda n=name: calls.append(n)) for name in "abc"}
@@ -117,7 +118,7 @@ def test_targets_miss_just_past_their_bounds(kw, name):
 
 
 def test_steady_put_replaces_its_entry_and_growing_put_keeps_them(tmp_path):
-    from promptstore import _bench_cases as cases
+    from promptstore.bench import _cases as cases
 
     res = cases.throughput(tmp_path, data.QUICK, 64, repeats=3)
     with PromptStore(tmp_path / "store") as store:
@@ -189,7 +190,8 @@ def big_entry(tmp_path, monkeypatch):
     """A 4-layer hybrid entry above the page-release threshold, with arrays that
     lie inside one chunk and arrays that span chunks, kept in LMDB as before
     blob files (tests/test_blobs.py has the blob-file side)."""
-    from promptstore import _blobs, _keys
+    from promptstore.format import _blobs
+    from promptstore.store import _keys
 
     monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 1 << 62)
 
@@ -215,7 +217,7 @@ def test_restore_is_bit_exact_across_chunk_boundaries(big_entry):
 
 
 def _manifest(store, tokens):
-    from promptstore import _keys
+    from promptstore.store import _keys
 
     with store.env.read() as txn:
         return store._manifest(txn, _keys.entry_key(_keys.model_id("m@1"), _keys.as_tokens(tokens)))
@@ -223,7 +225,8 @@ def _manifest(store, tokens):
 
 @pytest.mark.parametrize("spanning", [True, False])
 def test_a_flipped_byte_is_caught_in_either_copy_path(big_entry, spanning):
-    from promptstore import CorruptEntry, _keys
+    from promptstore import CorruptEntry
+    from promptstore.store import _keys
 
     store, _, tokens, ekey = big_entry
     man = _manifest(store, tokens)

@@ -16,7 +16,8 @@ import pytest
 
 from _workers import MODEL, make_entry, same_cache
 from test_blobs import HERE, SMALL, _files, _man
-from promptstore import PromptStore, _blobs, _entry, _fill, _pages
+from promptstore import PromptStore
+from promptstore.format import _blobs, _entry, _fill, _pages
 from promptstore.codecs import encode_layer
 
 
@@ -153,7 +154,8 @@ def test_get_and_put_from_an_atexit_handler(tmp_path):
         f"""
         import atexit, sys
         sys.path.insert(0, {str(HERE)!r})
-        from promptstore import PromptStore, _blobs
+        from promptstore import PromptStore
+        from promptstore.format import _blobs
         from _workers import make_entry, same_cache
         _blobs.MIN_PAYLOAD = {SMALL}
         store = PromptStore({str(tmp_path / "s")!r})

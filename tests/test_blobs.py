@@ -19,8 +19,10 @@ import pytest
 from _raw import raw_manifest, write_manifest
 from _workers import MODEL, make_entry, same_cache
 from test_crash import check_after_crashes, run_worker
-from promptstore import CorruptEntry, PromptStore, UnsupportedVersion, _blobs, _entry, _keys
-from promptstore import _bench_data as data
+from promptstore import CorruptEntry, PromptStore, UnsupportedVersion
+from promptstore.format import _blobs, _entry
+from promptstore.store import _keys
+from promptstore.bench import _data as data
 
 HERE = Path(__file__).resolve().parent
 SMALL = 50_000  # blob threshold for the tests with small entries
@@ -257,7 +259,8 @@ def test_a_replacing_writer_process_and_a_reader_process(tmp_path):
         f"""
         import sys, time
         sys.path.insert(0, {str(HERE)!r})
-        from promptstore import PromptStore, _blobs
+        from promptstore import PromptStore
+        from promptstore.format import _blobs
         from _workers import make_entry
         _blobs.MIN_PAYLOAD = {SMALL}
         store = PromptStore({str(path)!r})
@@ -314,7 +317,9 @@ def _killed(path: Path, patch: str, body: str) -> subprocess.CompletedProcess:
         f"""
         import os, signal, sys
         sys.path.insert(0, {str(HERE)!r})
-        from promptstore import PromptStore, _blobs, _env
+        from promptstore import PromptStore
+        from promptstore.format import _blobs
+        from promptstore.store import _env
         from _workers import make_entry
         _blobs.MIN_PAYLOAD = {SMALL}
         store = PromptStore({str(path)!r})
@@ -451,7 +456,7 @@ def test_manifests_naming_blobs_fail_closed(tmp_path, small_blobs, monkeypatch):
 
 
 def test_compact_and_salvage_keep_blob_entries(tmp_path, small_blobs):
-    from promptstore import _salvage
+    from promptstore.store import _salvage
 
     (t0, c0), (t1, c1) = make_entry(16, 0, big_every=1), make_entry(16, 1, big_every=0)
     src = tmp_path / "src"
@@ -487,7 +492,7 @@ def test_load_by_id_racing_a_replace_or_delete(tmp_path, small_blobs, monkeypatc
 def test_an_interrupt_after_the_commit_keeps_the_committed_file(tmp_path, small_blobs, monkeypatch):
     """A signal handled just after the commit (here: raised by the after-commit
     step) must not make put remove the file its committed manifest names."""
-    from promptstore import _env
+    from promptstore.store import _env
 
     tokens, cache = make_entry(18, 0, big_every=1)
     with PromptStore(tmp_path / "s") as store:

@@ -16,7 +16,8 @@ import pytest
 
 from _workers import MODEL, make_entry, same_cache
 from promptstore import InvalidInput, PromptStore, StoreFull
-from promptstore import _budget, _entry, _env, _keys
+from promptstore.store import _budget, _env, _keys
+from promptstore.format import _entry
 
 HERE = Path(__file__).resolve().parent
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"

@@ -16,7 +16,7 @@ from _raw import get_chunk, set_chunk
 from promptstore import PromptStore
 from promptstore.cli import main
 from promptstore.cli._select import key_length, parse_duration
-from promptstore.prefill import encode_prompt
+from promptstore.jobs.prefill import encode_prompt
 from _bits import bits_equal
 
 LLAMA = str(MODELS / "llama")
@@ -166,7 +166,7 @@ def test_rm_by_model_and_older_than(cli, monkeypatch):
     young = put(cli, "Young prompt.")
     hybrid = put(cli, "Old prompt.", QNEXT)
     # age one entry: rewrite its last-use time as if it was used ten days ago
-    import promptstore.store as store_mod
+    import promptstore.store._store as store_mod
 
     ten_days_ago = _time.time() - 10 * 86400
     monkeypatch.setattr(store_mod.time, "time", lambda: ten_days_ago)
@@ -287,7 +287,7 @@ def test_import_refuses_coverage_and_model_mismatches(cli, tmp_path):
     # a plain mlx-lm file (no promptstore metadata) from another model: the layers do not fit
     from mlx_lm.models.cache import save_prompt_cache
 
-    from promptstore.prefill import prefill
+    from promptstore.jobs.prefill import prefill
 
     qmodel, qtok, _, _ = load_fixture("qwen3_next")
     toks = encode_prompt(qtok, PROMPT)

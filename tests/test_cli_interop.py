@@ -18,8 +18,8 @@ from mlx.utils import tree_flatten
 
 from promptstore import PromptStore
 from promptstore.cli import main
-from promptstore.interop import read_mlx_cache_file
-from promptstore.prefill import encode_prompt, prefill
+from promptstore.jobs.interop import read_mlx_cache_file
+from promptstore.jobs.prefill import encode_prompt, prefill
 from _bits import bits_equal
 
 LLAMA = str(MODELS / "llama")

@@ -38,7 +38,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 from _workers import make_entry, same_cache
-from promptstore import PromptStore, PromptStoreError, _blobs, _pages
+from promptstore import PromptStore, PromptStoreError
+from promptstore.format import _blobs, _pages
 
 _blobs.MIN_PAYLOAD = 1 << 62  # large payloads stay in LMDB: their restores pread data.mdb
 MODEL, CLOSED = "close@0", "the store is closed"

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from _workers import MODEL, make_entry, same_cache
 from promptstore import PromptStore, PromptStoreError
-from promptstore import _keys
+from promptstore.store import _keys
 
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
 

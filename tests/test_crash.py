@@ -16,7 +16,8 @@ from pathlib import Path
 
 from _workers import MODEL, make_entry, same_cache
 from promptstore import PromptStore
-from promptstore import _entry, _keys
+from promptstore.format import _entry
+from promptstore.store import _keys
 
 HERE = Path(__file__).resolve().parent
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"

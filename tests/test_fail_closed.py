@@ -17,8 +17,8 @@ from promptstore import (
     UnknownStorageKind,
     UnsupportedVersion,
 )
-from promptstore import _entry
-from promptstore.prefill import prefill
+from promptstore.format import _entry
+from promptstore.jobs.prefill import prefill
 
 
 @pytest.fixture

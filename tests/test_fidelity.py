@@ -8,7 +8,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 
 from conftest import MODEL_NAMES, greedy, load_fixture
 from promptstore import PromptStore
-from promptstore.prefill import encode_prompt, make_cache
+from promptstore.jobs.prefill import encode_prompt, make_cache
 from _bits import bits_equal
 
 PROMPT = "Summarise the design of a persistent prompt cache for hybrid attention models in three sentences."
@@ -47,7 +47,7 @@ def test_restore_through_the_pread_path_continues_bit_identically(name, store_pa
     """The fixtures are far below the 8 MiB where a restore switches to pread on
     two threads, with small arrays as views of shared buffers: lower the
     threshold so the real models run on that path too."""
-    from promptstore import _entry, _pages
+    from promptstore.format import _entry, _pages
 
     monkeypatch.setattr(_pages, "MIN_PAYLOAD", 0)
     calls = []

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from _workers import MODEL, make_entry
 from promptstore import PromptStore, PromptStoreError
-from promptstore import _entry, _keys
+from promptstore.format import _entry
+from promptstore.store import _keys
 
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
 N = 2000 if STRESS else 200

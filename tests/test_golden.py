@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from _samples import assert_same
-from promptstore import _entry
+from promptstore.format import _entry
 from promptstore.codecs import codecs, encode_layer
 
 GOLDEN = ROOT / "fixtures" / "golden"
@@ -53,7 +53,7 @@ def test_golden_blob_entries_read(path, tmp_path):
     """Entries whose payload is in a blob file, as written when the format
     was introduced: the manifest parses, the file reads and checks, the
     layers decode, and re-encoding them gives the stored arrays."""
-    from promptstore import _blobs
+    from promptstore.format import _blobs
 
     doc = msgpack.unpackb(path.read_bytes(), raw=False)
     assert doc["entries"]

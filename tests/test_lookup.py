@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from conftest import greedy, load_fixture, sample_tokens
-from promptstore.prefill import prefill
+from promptstore.jobs.prefill import prefill
 
 
 def _prefilled(name, tokens):

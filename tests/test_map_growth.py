@@ -30,7 +30,8 @@ def test_map_grows_and_other_process_adopts_it(tmp_path):
             f"""
             import mlx.core as mx
             from mlx_lm.models.cache import KVCache
-            from promptstore import PromptStore, _blobs
+            from promptstore import PromptStore
+            from promptstore.format import _blobs
             _blobs.MIN_PAYLOAD = 1 << 62  # keep the payload in LMDB: it must grow the map
             c = KVCache()
             c.keys = mx.full((1, 4, 3000, 256), 2.0, mx.float32)

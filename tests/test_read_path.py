@@ -9,8 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from promptstore import CorruptEntry, PromptStore, _blank, _blobs, _entry, _fill, _keys, _pages
-from promptstore import _bench_data as data
+from promptstore import CorruptEntry, PromptStore
+from promptstore.format import _blank, _blobs, _entry, _fill, _pages
+from promptstore.store import _keys
+from promptstore.bench import _data as data
 from _bits import bits_equal
 
 MODEL = "m@1"

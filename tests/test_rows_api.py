@@ -17,7 +17,7 @@ from mlx_lm.models.cache import (
 
 from conftest import HYBRIDS, MODEL_NAMES, load_fixture, sample_tokens
 from promptstore import CoverageMismatch, InvalidInput
-from promptstore.prefill import prefill
+from promptstore.jobs.prefill import prefill
 from promptstore.rows import extract_row, merge_rows, row_count, row_coverage
 from test_rows import _batch_state, run_batch
 from _bits import bits_equal

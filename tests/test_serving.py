@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import load_fixture, sample_tokens
 from promptstore import PromptStore, fingerprint
-from promptstore._serving_memory import view
+from promptstore.serving._memory import view
 from promptstore.codecs import encode_layer
 from promptstore.serving import PersistentPromptCache, model_identity
 from _bits import bits_equal

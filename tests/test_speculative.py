@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from promptstore.errors import InvalidInput
-from promptstore.speculative import SpeculativeStats, speculative_generate, speculative_generate_step
+from promptstore.ssm.speculative import SpeculativeStats, speculative_generate, speculative_generate_step
 from promptstore.ssm import SSMCache, make_prompt_cache
 from _bits import bits_equal
 from conftest import MODELS

@@ -15,8 +15,9 @@ from __future__ import annotations
 import threading
 
 from _workers import MODEL, same_cache
-from promptstore import PromptStore, _entry, _pages
-from promptstore import _bench_data as data
+from promptstore import PromptStore
+from promptstore.format import _entry, _pages
+from promptstore.bench import _data as data
 
 
 def test_gets_from_several_threads_at_once_are_exact(tmp_path):
@@ -90,7 +91,7 @@ def test_prefix_hashes_from_threads_growing_the_power_tables(monkeypatch):
     with a consistent pair of tables: the same hashes one thread computes."""
     import numpy as np
 
-    from promptstore import _keys
+    from promptstore.store import _keys
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, size=n, dtype=np.uint32) for n in range(1, 6000, 37)]

@@ -15,12 +15,13 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import ROOT, load_fixture
-from promptstore import PromptStore, warmup
+from promptstore import PromptStore
+from promptstore.jobs import warmup
 from promptstore.cli import main
 from promptstore.codecs import encode_layer
-from promptstore.prefill import encode_prompt, prefill
-from promptstore.checkpoints import message_boundaries
-from promptstore.warmup import read_prompts
+from promptstore.jobs.prefill import encode_prompt, prefill
+from promptstore.jobs.checkpoints import message_boundaries
+from promptstore.jobs.warmup import read_prompts
 from _bits import bits_equal
 
 PROMPTS = ROOT / "fixtures" / "prompts" / "sample20.jsonl"
@@ -155,7 +156,8 @@ def test_hybrid_boundary_checkpoint_exactly(store):
 
 def _dump(path):
     """Every entry: manifest fields but the creation time, and its chunk bytes."""
-    from promptstore import _entry, _keys
+    from promptstore.format import _entry
+    from promptstore.store import _keys
 
     out = {}
     with PromptStore(path) as st, st.env.read() as txn:
@@ -196,7 +198,7 @@ def test_rerun_skips_everything(warmed, tmp_path):
 
 def test_probe_falls_back_when_batching_is_not_exact(warmed, monkeypatch, tmp_path):
     """If the first batch differs from a serial prefill by one bit, the job goes serial."""
-    w = importlib.import_module("promptstore.warmup")  # the package's `warmup` attribute is the function
+    w = importlib.import_module("promptstore.jobs.warmup")  # the package's `warmup` attribute is the function
 
     calls = []
     monkeypatch.setattr(w, "_same_entry", lambda a, b: calls.append(1) and False)

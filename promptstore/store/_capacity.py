@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
-from promptstore import _budget, _entry, _keys
-from promptstore._budget import GcReport
+from promptstore.store import _budget, _keys
+from promptstore.format import _entry
+from promptstore.store._budget import GcReport
 from promptstore.errors import EntryNotFound, PromptStoreError, StoreFull
 
 if TYPE_CHECKING:
-    from promptstore._salvage import SalvageReport
+    from promptstore.store._salvage import SalvageReport
 
 
 class CapacityMixin:
@@ -163,7 +164,7 @@ class CapacityMixin:
         """Rewrite the data file without its free pages: ``(bytes before, after)``.
 
         Safe while other processes use the store: they move to the compacted
-        file at their next transaction (see ``promptstore._env``). Needs free
+        file at their next transaction (see ``promptstore.store._env``). Needs free
         disk space for the compacted copy.
 
         Raises:
@@ -177,6 +178,6 @@ class CapacityMixin:
 
         See :func:`promptstore.salvage`.
         """
-        from promptstore._salvage import salvage
+        from promptstore.store._salvage import salvage
 
         return salvage(self.path, Path(dst))

@@ -1,6 +1,6 @@
 """Child process of ``promptstore bench``: peak memory added by one get.
 
-Run as ``python -m promptstore._bench_mem STORE MODEL TOKENS.npy``; prints JSON.
+Run as ``python -m promptstore.bench._mem STORE MODEL TOKENS.npy``; prints JSON.
 
 Three figures, because they answer different questions:
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from promptstore.prefill import make_cache, prefill
+from promptstore.jobs.prefill import make_cache, prefill
 
 __all__ = ["BOUNDARY_ROLES", "message_boundaries", "needs_checkpoints", "prefill_with_checkpoints"]
 

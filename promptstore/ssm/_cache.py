@@ -30,9 +30,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.cache import make_prompt_cache as _mlx_make_prompt_cache
 
-from promptstore import _ssm_recur as _recur
-from promptstore._ssm_adapter import adapt, is_gated_delta_layer, unadapt
-from promptstore._ssm_round import RoundError, Rounds, as_list, is_int
+from promptstore.ssm import _recur
+from promptstore.ssm._adapter import adapt, is_gated_delta_layer, unadapt
+from promptstore.ssm._round import RoundError, Rounds, as_list, is_int
 from promptstore.errors import InvalidInput
 
 __all__ = ["SSMCache", "RoundError", "make_prompt_cache", "adapt", "unadapt"]

@@ -195,7 +195,7 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from promptstore.prefill import make_cache
+    from promptstore.jobs.prefill import make_cache
 
     probe = make_cache(model)
     if len(probe) != len(cache):
@@ -307,7 +307,7 @@ def import_mlx_cache_file(
     The file has no token ids of its own (unless a promptstore export wrote
     it), so ``tokens`` names what it covers: the tokens of the prompt it was
     made from, templated as ``mlx_lm.cache_prompt`` does
-    (:func:`promptstore.prefill.encode_prompt`). Its coverage must be exactly
+    (:func:`promptstore.jobs.prefill.encode_prompt`). Its coverage must be exactly
     ``len(tokens)``; a file with recorded tokens must match them exactly; a
     plain-KV file's last positions are checked against the prompt's last
     tokens (:func:`check_tail_tokens`; hybrid files only by count).

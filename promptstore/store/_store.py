@@ -17,11 +17,12 @@ import lmdb
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from promptstore import _blobs, _budget, _entry, _fill, _index, _keys, _pages
-from promptstore._capacity import CapacityMixin
-from promptstore._inspect import InspectMixin, VerifyReport
-from promptstore._env import DEFAULT_MAP_SIZE, Env
-from promptstore._gate import CLOSE_TIMEOUT, closed_error
+from promptstore.format import _blobs, _entry, _fill, _pages
+from promptstore.store import _budget, _index, _keys
+from promptstore.store._capacity import CapacityMixin
+from promptstore.store._inspect import InspectMixin, VerifyReport
+from promptstore.store._env import DEFAULT_MAP_SIZE, Env
+from promptstore.store._gate import CLOSE_TIMEOUT, closed_error
 from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
 from promptstore.errors import (
     CorruptEntry,
@@ -130,7 +131,7 @@ class PromptStore(CapacityMixin, InspectMixin):
 
         New operations raise StoreClosed from the call on; those in flight in
         other threads finish, then usage is flushed and the files close
-        (the rules: :meth:`promptstore._gate.Gate.close`). An operation of
+        (the rules: :meth:`promptstore.store._gate.Gate.close`). An operation of
         several transactions (``verify``, ``gc``) cut by it raises StoreClosed.
         In a forked child it only drops this object's reference.
 

@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from promptstore import _bench_cases as cases
-from promptstore import _bench_data as data
+from promptstore.bench import _cases as cases
+from promptstore.bench import _data as data
 
 __all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
 

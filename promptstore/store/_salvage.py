@@ -19,8 +19,9 @@ from typing import List, Set, Tuple
 
 import lmdb
 
-from promptstore import _blobs, _budget, _entry, _keys
-from promptstore._env import DBS, live_dir, pages_needed
+from promptstore.format import _blobs, _entry
+from promptstore.store import _budget, _keys
+from promptstore.store._env import DBS, live_dir, pages_needed
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 
 
@@ -175,8 +176,8 @@ def _copy_in(out, txn, ekey, raw, man, chunks, used, pinned, src: Path) -> None:
     hashes = _keys.prefix_hashes(man.tokens)
     if hasattr(out, "_index_add"):
         out._index_add(txn, ekey[:16], hashes, len(man.tokens), ekey, man.trimmable)
-    else:  # the prefix index moved to promptstore._index
-        from promptstore import _index
+    else:  # the prefix index moved to promptstore.store._index
+        from promptstore.store import _index
 
         _index.add(txn, db, ekey[:16], man.tokens, hashes, ekey, man.trimmable)
     if used is not None and len(used) == 8:

@@ -41,11 +41,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from promptstore.checkpoints import message_boundaries, needs_checkpoints
+from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.codecs import encode_layer
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.identity import fingerprint
-from promptstore.prefill import PREFILL_STEP, encode_prompt, eval_cache, load_model, make_cache
+from promptstore.jobs.prefill import PREFILL_STEP, encode_prompt, eval_cache, load_model, make_cache
 
 __all__ = [
     "warmup",

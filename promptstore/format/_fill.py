@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Typ
 
 import numpy as np
 
-from promptstore import _pages
+from promptstore.format import _pages
 
 T = TypeVar("T")
 

@@ -22,9 +22,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from promptstore import _bench_data as data
-from promptstore import _entry
-from promptstore._bits import bits_equal
+from promptstore.bench import _data as data
+from promptstore.format import _entry
+from promptstore.format._bits import bits_equal
 from promptstore.store import PromptStore
 
 MODEL = "bench-qwen3-next-80b-shaped@0"
@@ -267,7 +267,7 @@ def interleaved(ops: Dict[str, Any], repeats: int, warmup: int = 0) -> Dict[str,
 
 def throughput_child(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """:func:`throughput` in a fresh process (optionally with extra environment)."""
-    cmd = [sys.executable, "-m", "promptstore._bench_child", str(workdir), json.dumps(asdict(shape)), str(n_tokens), str(repeats)]
+    cmd = [sys.executable, "-m", "promptstore.bench._child", str(workdir), json.dumps(asdict(shape)), str(n_tokens), str(repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         raise RuntimeError(f"throughput child failed: {proc.stderr.strip()[-2000:]}")
@@ -276,7 +276,7 @@ def throughput_child(workdir: Path, shape: data.Shape, n_tokens: int, repeats: i
 
 def peak_memory(workdir: Path, n_tokens: int) -> Dict[str, Any]:
     """Peak memory a get adds, measured in a fresh subprocess (see _bench_mem)."""
-    cmd = [sys.executable, "-m", "promptstore._bench_mem", str(workdir / "store"), MODEL, str(workdir / f"tokens-{n_tokens}.npy")]
+    cmd = [sys.executable, "-m", "promptstore.bench._mem", str(workdir / "store"), MODEL, str(workdir / f"tokens-{n_tokens}.npy")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"peak-memory child failed: {proc.stderr.strip()[-2000:]}")
@@ -376,7 +376,7 @@ def restore_vs_prefill(workdir: Path, model_dir: Path, lengths: Sequence[int], r
     """Time to first token on the fixture hybrid: cold prefill of the whole
     prompt vs ``lookup`` of the stored prompt-minus-one and one forward step."""
     from promptstore import fingerprint
-    from promptstore.prefill import load_model, prefill
+    from promptstore.jobs.prefill import load_model, prefill
 
     model, _ = load_model(str(model_dir))
     fp = fingerprint(model_dir)

@@ -39,7 +39,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Set, TypeVar
 
-from promptstore import _entry, _fill, _pages
+from promptstore.format import _entry, _fill, _pages
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
 
 log = logging.getLogger("promptstore")

@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from promptstore import _ssm_recur as _recur
+from promptstore.ssm import _recur as _recur
 from promptstore.errors import InvalidInput, RoundError
 
 

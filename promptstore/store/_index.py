@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from promptstore import _keys
+from promptstore.store import _keys
 
 BLOCK = 64
 _COUNT = struct.Struct(">I")

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from promptstore.errors import InvalidInput
-from promptstore.ssm import adapt, make_prompt_cache
+from promptstore.ssm._cache import adapt, make_prompt_cache
 
 __all__ = ["SpeculativeStats", "SpeculativeResult", "speculative_generate_step", "speculative_generate"]
 

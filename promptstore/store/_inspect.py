@@ -10,7 +10,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
-from promptstore import _blobs, _entry, _index, _keys
+from promptstore.format import _blobs, _entry
+from promptstore.store import _index, _keys
 from promptstore.errors import CorruptEntry, EntryNotFound, ModelMismatch, PromptStoreError, StoreClosed, StoreError
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ class InspectMixin:
     def _drop_stray_blobs(self, txn) -> int:
         """Unlink, once ``txn`` commits, the blob files no manifest in it names.
         Only in a write transaction: under the writer lock no put is between
-        writing its file and committing it (see :mod:`promptstore._blobs`)."""
+        writing its file and committing it (see :mod:`promptstore.format._blobs`)."""
         stray = self._stray_blobs(txn)
         if stray:
             self.env.after_commit(lambda: [self._blobs.unlink(n) for n in stray])

@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from promptstore import _blank, _fill
+from promptstore.format import _blank, _fill
 from promptstore.codecs import Encoded, decode_layer
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, StoreError, UnsupportedVersion
 

@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any, Dict, Optional, Sequence
 
-from promptstore.serving import PersistentPromptCache
+from promptstore.serving._cache import PersistentPromptCache
 from promptstore.store import PromptStore
 
 __all__ = ["serve"]

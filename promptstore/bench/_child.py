@@ -1,6 +1,6 @@
 """Child process of ``promptstore bench``: one throughput case in a fresh process.
 
-Run as ``python -m promptstore._bench_child WORKDIR SHAPE_JSON TOKENS REPEATS``;
+Run as ``python -m promptstore.bench._child WORKDIR SHAPE_JSON TOKENS REPEATS``;
 prints the case's JSON. A fresh process per case keeps one case's heap and
 mlx buffer cache out of the next, and lets the bench measure the same case
 under another environment (e.g. ``GLIBC_TUNABLES``).
@@ -14,8 +14,8 @@ from pathlib import Path
 
 
 def main(argv) -> None:
-    from promptstore import _bench_cases as cases
-    from promptstore import _bench_data as data
+    from promptstore.bench import _cases as cases
+    from promptstore.bench import _data as data
 
     workdir, shape, n_tokens, repeats = argv
     shape_kw = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(shape).items()}

@@ -38,9 +38,9 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
 
 import numpy as np
 
-from promptstore import _keys
-from promptstore._serving_memory import MemEntry, MemoryTier, checkout, view
-from promptstore._serving_writer import Job, Writer
+from promptstore.store import _keys
+from promptstore.serving._memory import MemEntry, MemoryTier, checkout, view
+from promptstore.serving._writer import Job, Writer
 from promptstore.errors import CoverageMismatch, PromptStoreError
 from promptstore.identity import fingerprint
 from promptstore.store import PromptStore

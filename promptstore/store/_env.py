@@ -26,7 +26,7 @@ starts just before a switch sees a consistent, slightly older snapshot).
 Old generations' files are unlinked; processes still mapping them keep
 them alive until they move on.
 
-Closing while other threads work: :mod:`promptstore._gate`.
+Closing while other threads work: :mod:`promptstore.store._gate`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
 import lmdb
 
-from promptstore import _pages
-from promptstore._gate import CLOSE_TIMEOUT, Gate
+from promptstore.format import _pages
+from promptstore.store._gate import CLOSE_TIMEOUT, Gate
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
 
 log = logging.getLogger("promptstore")
@@ -448,7 +448,7 @@ class Env:
 
     def close(self, timeout: float = CLOSE_TIMEOUT, last: Optional[Callable[[], None]] = None) -> None:
         """Close the environment, safely while other threads use it
-        (:meth:`promptstore._gate.Gate.close`). In a forked child nothing is
+        (:meth:`promptstore.store._gate.Gate.close`). In a forked child nothing is
         touched: the parent's environment, and maybe its lock, came across
         the fork."""
         if os.getpid() == self.pid:

@@ -1,0 +1,11 @@
+"""``promptstore bench``: promptstore measured beside what a user would otherwise do.
+
+* ``_run``: the plan, the run and the targets;
+* ``_cases``: one function per measured case;
+* ``_data``: the Qwen3-Next-80B-shaped caches it measures;
+* ``_child`` and ``_mem``: cases that run in a fresh subprocess.
+"""
+
+from promptstore.bench._run import FULL, QUICK, Plan, gbps, run, targets
+
+__all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
