@@ -1,7 +1,7 @@
 """Codecs: one per storage kind, in one registry keyed by the kind string.
 
 Importing this package registers every built-in codec. See ``_registry`` for
-the codec contract; ``register`` adds a codec of your own.
+the codec contract and its capabilities; ``register`` adds a codec of your own.
 """
 
 from promptstore.codecs._registry import (
@@ -12,11 +12,16 @@ from promptstore.codecs._registry import (
     codec_for_kind,
     codec_for_layer,
     codecs,
+    MissingCapability,
     decode_layer,
     encode_layer,
+    is_trimmable,
     layer_coverage,
     register,
+    register_rows,
+    rows_for_layer,
     storage_kind,
+    trim_cache,
     unregister,
 )
 
@@ -38,10 +43,15 @@ __all__ = [
     "codec_for_kind",
     "codec_for_layer",
     "codecs",
+    "MissingCapability",
     "decode_layer",
     "encode_layer",
+    "is_trimmable",
     "layer_coverage",
     "register",
+    "register_rows",
+    "rows_for_layer",
     "storage_kind",
+    "trim_cache",
     "unregister",
 ]

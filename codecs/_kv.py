@@ -1,4 +1,6 @@
-"""Shared pieces of the KV-family codecs: covered-token slicing and checks."""
+"""Shared pieces of the KV-family codecs: covered-token slicing, checks, and
+the capabilities every KV kind shares (trim through mlx-lm's ``trim``, a
+sequence axis, row moves of a serial layer run with B > 1)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from promptstore.codecs._registry import Codec, array, require
+from promptstore.codecs._rows import Rows, kv_signature
 from promptstore.errors import CorruptEntry
 
 
@@ -32,7 +35,39 @@ def check_count(kind: str, name: str, value: int, lo: int = 0) -> int:
     return value
 
 
-class OffsetKVCodec(Codec):
+class TrimmableKVCodec(Codec):
+    """A KV kind: trims through mlx-lm's ``trim`` whenever the layer says it
+    can, so its entries need no checkpoints; arrays are ``[B, heads, seq, dim]``."""
+
+    seq_axis = 2
+
+    def trimmable(self, layer):
+        return bool(layer.is_trimmable())
+
+    def trim(self, layer, n):
+        if not self.trimmable(layer):
+            raise self.missing(layer, "trim", "it cannot drop tokens now")
+        layer.trim(n)
+
+    def needs_checkpoints(self, layer, n_tokens):
+        return not layer.is_trimmable()
+
+
+class SerialKVRows(Rows):
+    """Rows of a serial mlx-lm KV layer run with B > 1 (a plain batched
+    forward, no padding): every row covers ``offset`` tokens."""
+
+    def count(self, layer):
+        return 1 if layer.keys is None else int(layer.keys.shape[0])
+
+    def coverage(self, layer, i, where):
+        return int(layer.offset)
+
+    def kv_signature(self, layer):
+        return kv_signature(layer)
+
+
+class OffsetKVCodec(TrimmableKVCodec):
     """Codec of a KV cache whose state is ``keys``, ``values`` and ``offset``:
     writes the ``offset`` covered positions, restores them with that offset."""
 

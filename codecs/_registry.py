@@ -8,18 +8,26 @@ A codec turns one layer cache into ``(arrays, meta)`` and back:
 Resolution is by the layer's EXACT class. A subclass nobody registered is
 refused: silently inheriting the parent's kind routes the subclass's extra
 state to nowhere.
+
+Every other thing promptstore needs to know about a cache class is a
+capability of its codec, found the same way (coverage, trim, row moves,
+batched warm-up, speculative rounds, the mlx-lm file class, checkpoints).
+Each capability fails closed: a codec has it only when it declares it.
+Batch classes that are never stored (``BatchKVCache``...) register their row
+moves alone with :func:`register_rows`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from promptstore.errors import (
     CorruptEntry,
     InvalidInput,
+    MissingCapability,
     UnknownStorageKind,
     UnsupportedVersion,
 )
@@ -66,9 +74,70 @@ class Codec:
         """The full storage-kind string of ``layer`` (wrappers add inner kinds)."""
         return self.kind
 
+    # -- capabilities: each one fails closed unless the codec declares it ----------
+
+    #: Row moves in a running batch (a ``promptstore.codecs._rows.Rows``).
+    rows: Any = None
+    #: Warm-up may prefill this kind left-padded in a batch (see ``batch_layer``).
+    batchable: bool = False
+    #: Trimmable at any length, so speculative decoding may trim rejected drafts.
+    always_trimmable: bool = False
+    #: Runs speculative verify rounds (``begin_round``/``commit``/``rollback``).
+    rounds: bool = False
+    #: The mlx-lm class an mlx-lm prompt-cache file holds this kind as.
+    mlx_lm_class: Optional[type] = None
+    #: The sequence axis of the layer's 4-d arrays (None: no axis grows with
+    #: the tokens, so a cache made by the same model has exactly its shapes).
+    seq_axis: Optional[int] = None
+
+    def trimmable(self, layer: Any) -> bool:
+        """Whether ``layer`` can drop its last tokens now."""
+        return False
+
+    def trim(self, layer: Any, n: int) -> None:
+        """Drop the last ``n`` tokens of ``layer`` (only when ``trimmable``).
+
+        Raises:
+            MissingCapability: this kind cannot trim.
+        """
+        raise self.missing(layer, "trim")
+
+    def needs_checkpoints(self, layer: Any, n_tokens: Optional[int]) -> bool:
+        """Whether an entry of ``n_tokens`` (None: any length) made of this
+        layer could not be trimmed, so chats need boundary checkpoints."""
+        return True
+
+    def batch_layer(self, layer: Any, pads: List[int]) -> Any:
+        """The batch cache that warm-up prefills rows left-padded by ``pads`` in.
+
+        Raises:
+            MissingCapability: this kind is not ``batchable``.
+        """
+        raise self.missing(layer, "batched prefill")
+
+    def to_mlx_lm(self, layer: Any) -> Any:
+        """``layer`` as the mlx-lm class a prompt-cache file holds.
+
+        Raises:
+            MissingCapability: this kind has no mlx-lm class.
+        """
+        if self.mlx_lm_class is not None and type(layer) is self.mlx_lm_class:
+            return layer
+        raise self.missing(
+            layer, "mlx-lm file", "mlx_lm.load_prompt_cache could not read it back"
+        )
+
+    def missing(self, layer: Any, capability: str, why: str = "") -> "MissingCapability":
+        """The error for ``layer`` lacking ``capability``: names the class and kind."""
+        return MissingCapability(
+            f"{_qualname(type(layer))} (storage kind {self.kind!r}) has no {capability} support"
+            + (f"; {why}" if why else "")
+        )
+
 
 _BY_KIND: Dict[str, Codec] = {}
 _BY_TYPE: Dict[type, Codec] = {}
+_ROWS_BY_TYPE: Dict[type, Any] = {}  # batch classes that have rows but no codec
 
 
 def register(codec: Codec) -> Codec:
@@ -86,15 +155,30 @@ def register(codec: Codec) -> Codec:
     if kind in _BY_KIND:
         raise InvalidInput(f"storage kind {kind!r} is registered already")
     for t in codec.types:
-        if t in _BY_TYPE:
-            raise InvalidInput(
-                f"{t.__module__}.{t.__qualname__} is registered already "
-                f"(kind {_BY_TYPE[t].kind!r})"
-            )
+        _check_unregistered(t)
     _BY_KIND[kind] = codec
     for t in codec.types:
         _BY_TYPE[t] = codec
     return codec
+
+
+def register_rows(cls: type, rows: Any) -> Any:
+    """Register the row moves of a batch class that is never stored itself
+    (``BatchKVCache``: its rows are stored as ``KVCache``), by exact type.
+
+    Raises:
+        InvalidInput: ``cls`` is registered already (as a codec's type or here).
+    """
+    _check_unregistered(cls)
+    _ROWS_BY_TYPE[cls] = rows
+    return rows
+
+
+def _check_unregistered(t: type) -> None:
+    if t in _BY_TYPE:
+        raise InvalidInput(f"{_qualname(t)} is registered already (kind {_BY_TYPE[t].kind!r})")
+    if t in _ROWS_BY_TYPE:
+        raise InvalidInput(f"{_qualname(t)} is registered already (row moves of a batch class)")
 
 
 def unregister(kind: str) -> None:
@@ -118,17 +202,45 @@ def codec_for_layer(layer: Any) -> Codec:
     codec = _BY_TYPE.get(type(layer))
     if codec is None:
         t = type(layer)
-        parents = [p for p in t.__mro__[1:] if p in _BY_TYPE]
-        hint = (
-            f"; it subclasses {parents[0].__qualname__} (kind {_BY_TYPE[parents[0]].kind!r}) "
-            "but subclasses are never routed to their parent's codec: register a codec for it"
-            if parents
-            else "; register a codec for it with promptstore.codecs.register"
-        )
-        raise UnknownStorageKind(
-            f"no codec for cache class {t.__module__}.{t.__qualname__}{hint}"
-        )
+        raise UnknownStorageKind(f"no codec for cache class {_qualname(t)}{_subclass_hint(t)}")
     return codec
+
+
+def rows_for_layer(layer: Any, where: str = "layer") -> Any:
+    """The row moves of ``layer``'s exact class (a ``codecs._rows.Rows``).
+
+    Raises:
+        MissingCapability: neither a batch class registered with
+            :func:`register_rows` nor a codec with row support.
+    """
+    t = type(layer)
+    rows = _ROWS_BY_TYPE.get(t)
+    if rows is not None:
+        return rows
+    codec = _BY_TYPE.get(t)
+    if codec is None:
+        reason = f"no codec or row moves are registered for exactly this class{_subclass_hint(t)}"
+    elif codec.rows is None:
+        reason = f"its storage kind {codec.kind!r} has no row support"
+    else:
+        return codec.rows
+    raise MissingCapability(f"{where}: cannot take a row of a {_qualname(t)}: {reason}")
+
+
+def _qualname(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _subclass_hint(t: type) -> str:
+    parents = [p for p in t.__mro__[1:] if p in _BY_TYPE or p in _ROWS_BY_TYPE]
+    if not parents:
+        return "; register a codec for it with promptstore.codecs.register"
+    p = parents[0]
+    what = f"kind {_BY_TYPE[p].kind!r}" if p in _BY_TYPE else "a batch class"
+    return (
+        f"; it subclasses {p.__qualname__} ({what}) but subclasses are never "
+        "routed to their parent's codec: register a codec for it"
+    )
 
 
 def base_kind(kind: str) -> str:
@@ -186,6 +298,36 @@ def decode_layer(kind: str, version: int, arrays: Arrays, meta: Meta) -> Any:
 def layer_coverage(layer: Any) -> Optional[int]:
     """Tokens ``layer`` has absorbed, or None when it cannot tell."""
     return codec_for_layer(layer).coverage(layer)
+
+
+def is_trimmable(cache: Sequence[Any]) -> bool:
+    """Whether every layer of ``cache`` can drop its last tokens now.
+
+    Raises:
+        UnknownStorageKind: a layer's exact class has no codec.
+    """
+    return all(codec_for_layer(layer).trimmable(layer) for layer in cache)
+
+
+def trim_cache(cache: Sequence[Any], n: int) -> None:
+    """Trim every layer of ``cache`` by ``n`` tokens, in place, through its codec.
+
+    Plain KV layers also drop the trimmed positions, so their memory is not
+    kept alive. Nothing is trimmed unless every layer can trim.
+
+    Raises:
+        UnknownStorageKind: a layer's exact class has no codec.
+        MissingCapability: a layer cannot trim (now).
+    """
+    codecs_ = [codec_for_layer(layer) for layer in cache]
+    for i, (codec, layer) in enumerate(zip(codecs_, cache)):
+        if not codec.trimmable(layer):
+            raise MissingCapability(
+                f"layer {i} ({_qualname(type(layer))}, storage kind {codec.kind!r}) cannot drop "
+                "tokens now (a recurrent state, or a sliding window that wrapped); nothing was trimmed"
+            )
+    for codec, layer in zip(codecs_, cache):
+        codec.trim(layer, n)
 
 
 def prefixed(prefix: str, arrays: Arrays) -> Arrays:

@@ -1,4 +1,7 @@
-"""``list(...)``: mlx-lm's CacheList; its own kind plus its inner kinds."""
+"""``list(...)``: mlx-lm's CacheList; its own kind plus its inner kinds.
+
+Its capabilities are its inner layers', each through that layer's own codec.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +9,63 @@ from mlx_lm.models.cache import CacheList
 
 from promptstore.codecs._registry import (
     Codec,
+    codec_for_layer,
     decode_layer,
     encode_layer,
     layer_coverage,
     prefixed,
     register,
     require,
+    rows_for_layer,
     storage_kind,
     unprefixed,
 )
-from promptstore.errors import CorruptEntry, CoverageMismatch
+from promptstore.codecs._rows import Rows, check_joinable
+from promptstore.errors import CorruptEntry, CoverageMismatch, InvalidInput
 
 _MAX_INNER = 64
+
+
+class CacheListRows(Rows):
+    """A CacheList's rows: its inner caches, row by row."""
+
+    serial = CacheList
+
+    def count(self, layer):
+        counts = {rows_for_layer(c).count(c) for c in layer.caches}
+        if len(counts) != 1:
+            raise InvalidInput(f"CacheList inner caches disagree on the number of rows: {sorted(counts)}")
+        return counts.pop()
+
+    def coverage(self, layer, i, where):
+        covs = (rows_for_layer(c, where).coverage(c, i, where) for c in layer.caches)
+        known = {c for c in covs if c is not None}
+        if len(known) > 1:
+            raise CoverageMismatch(f"{where}: CacheList inner caches of row {i} cover {sorted(known)} tokens")
+        return known.pop() if known else None
+
+    def extract(self, layer, i, where):
+        return CacheList(*(rows_for_layer(c, where).extract(c, i, where) for c in layer.caches))
+
+    def check_settled(self, layer, where):
+        for c in layer.caches:
+            rows_for_layer(c, where).check_settled(c, where)
+
+    def check_join(self, batch_layer, row_layer, where):
+        if len(row_layer.caches) != len(batch_layer.caches):
+            raise InvalidInput(f"{where}: CacheList rows hold a different number of inner caches")
+        for j, (b, r) in enumerate(zip(batch_layer.caches, row_layer.caches)):
+            check_joinable(b, r, f"{where}.{j}")
 
 
 class CacheListCodec(Codec):
     kind = "list"
     version = 1
     types = (CacheList,)
+    rows = CacheListRows()
+    mlx_lm_class = CacheList
+    # mlx-lm flattens the inner arrays together; they compare like KV arrays.
+    seq_axis = 2
 
     def kind_of(self, layer):
         return "list(" + ",".join(storage_kind(c) for c in layer.caches) + ")"
@@ -53,6 +95,21 @@ class CacheListCodec(Codec):
         if len(known) > 1:
             raise CoverageMismatch(f"CacheList inner caches disagree on coverage: {sorted(known)}")
         return known.pop() if known else None
+
+    def trimmable(self, layer):
+        return all(codec_for_layer(c).trimmable(c) for c in layer.caches)
+
+    def trim(self, layer, n):
+        if not self.trimmable(layer):
+            raise self.missing(layer, "trim", "an inner cache cannot drop tokens now")
+        for c in layer.caches:
+            codec_for_layer(c).trim(c, n)
+
+    def needs_checkpoints(self, layer, n_tokens):
+        return any(codec_for_layer(c).needs_checkpoints(c, n_tokens) for c in layer.caches)
+
+    def to_mlx_lm(self, layer):
+        return CacheList(*(codec_for_layer(c).to_mlx_lm(c) for c in layer.caches))
 
 
 register(CacheListCodec())

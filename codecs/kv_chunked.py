@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import ChunkedKVCache
 
-from promptstore.codecs._kv import check_count, check_seq, covered
-from promptstore.codecs._registry import Codec, array, register, require
+from promptstore.codecs._kv import TrimmableKVCodec, check_count, check_seq, covered
+from promptstore.codecs._registry import array, register, require
 
 
-class ChunkedKVCodec(Codec):
+class ChunkedKVCodec(TrimmableKVCodec):
     kind = "kv.chunked"
     version = 1
     types = (ChunkedKVCache,)
+    mlx_lm_class = ChunkedKVCache
 
     def encode(self, layer):
         meta = {

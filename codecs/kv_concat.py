@@ -1,7 +1,8 @@
 """``kv.concat``: mlx-lm's ConcatenateKVCache (no step padding).
 
-Only the ``offset`` covered positions are written; mlx-lm's own trim keeps
-serving trimmed keys of this class, a restored one does not.
+Only the ``offset`` covered positions are written. mlx-lm's own trim only
+lowers ``offset`` and the next update appends after the stale keys, so a
+trim here also drops the trimmed positions.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ class ConcatKVCodec(OffsetKVCodec):
     kind = "kv.concat"
     version = 1
     types = (ConcatenateKVCache,)
+    mlx_lm_class = ConcatenateKVCache
+
+    def trim(self, layer, n):
+        super().trim(layer, n)
+        if layer.keys is not None:
+            layer.keys = layer.keys[..., : layer.offset, :]
+            layer.values = layer.values[..., : layer.offset, :]
 
 
 register(ConcatKVCodec())

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import QuantizedKVCache
 
-from promptstore.codecs._kv import check_count, check_seq, covered
-from promptstore.codecs._registry import Codec, array, register, require
+from promptstore.codecs._kv import TrimmableKVCodec, check_count, check_seq, covered
+from promptstore.codecs._registry import array, register, require
 from promptstore.errors import CorruptEntry
 
 
-class QuantizedKVCodec(Codec):
+class QuantizedKVCodec(TrimmableKVCodec):
     kind = "kv.quantized"
     version = 1
     types = (QuantizedKVCache,)
+    always_trimmable = True
+    mlx_lm_class = QuantizedKVCache
+
+    def trim(self, layer, n):
+        super().trim(layer, n)
+        if layer.keys is not None:  # drop the trimmed positions: keep no memory alive
+            layer.keys = tuple(x[..., : layer.offset, :] for x in layer.keys)
+            layer.values = tuple(x[..., : layer.offset, :] for x in layer.values)
 
     def encode(self, layer):
         n = int(layer.offset)

@@ -3,21 +3,46 @@
 Only valid slots are written: ``min(offset, buffer length)`` positions in
 buffer order, plus ``_idx`` (the ring's write position), so the restored
 cache continues exactly where the saved one stood.
+
+Trimmable only until the window wraps, so never in speculative decoding.
+Also the row moves of ``BatchRotatingKVCache``, whose rows are stored as
+``kv.rotating``.
 """
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import RotatingKVCache
+import mlx.core as mx
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
-from promptstore.codecs._kv import check_count, check_seq, covered
-from promptstore.codecs._registry import Codec, array, register, require
-from promptstore.errors import CorruptEntry
+from promptstore.codecs._kv import SerialKVRows, TrimmableKVCodec, check_count, check_seq, covered
+from promptstore.codecs._registry import array, register, register_rows, require
+from promptstore.codecs._rows import Rows, kv_signature, own, refuse_unsettled
+from promptstore.errors import CorruptEntry, InvalidInput
 
 
-class RotatingKVCodec(Codec):
+class RotatingKVRows(SerialKVRows):
+    serial = RotatingKVCache
+
+    def extract(self, layer, i, where):
+        out = RotatingKVCache(layer.max_size, keep=layer.keep)
+        if layer.keys is not None:
+            n = min(int(layer.offset), layer.keys.shape[2])
+            out.keys = own(layer.keys[i : i + 1, :, :n, :])
+            out.values = own(layer.values[i : i + 1, :, :n, :])
+        out.offset, out._idx = int(layer.offset), int(layer._idx)
+        return out
+
+
+class RotatingKVCodec(TrimmableKVCodec):
     kind = "kv.rotating"
     version = 1
     types = (RotatingKVCache,)
+    rows = RotatingKVRows()
+    mlx_lm_class = RotatingKVCache
+
+    def needs_checkpoints(self, layer, n_tokens):
+        # A window no longer than the prompt wraps, and a wrapped one cannot trim.
+        return not layer.is_trimmable() or n_tokens is None or layer.max_size <= n_tokens
 
     def encode(self, layer):
         meta = {
@@ -54,4 +79,54 @@ class RotatingKVCodec(Codec):
         return int(layer.offset)
 
 
+class BatchRotatingKVRows(Rows):
+    """BatchRotatingKVCache: a ring of ``max_size`` (+ a window while
+    prefilling) per row; in temporal order row i starts at ``max(0, left_padding[i])``."""
+
+    serial = RotatingKVCache
+
+    def count(self, layer):
+        return int(layer.offset.shape[0])
+
+    def check_settled(self, layer, where):
+        refuse_unsettled(layer._lengths is not None, where)
+
+    def coverage(self, layer, i, where):
+        self.check_settled(layer, where)
+        return int(layer.offset[i].item())
+
+    def extract(self, layer, i, where):
+        off = self.coverage(layer, i, where)
+        out = RotatingKVCache(layer.max_size)
+        if layer.keys is None or off == 0:
+            return out
+        lp = max(0, int(layer.left_padding[i].item()))
+        keys, values, end = layer.keys[i : i + 1], layer.values[i : i + 1], layer._idx
+        if layer.rotated:  # the oldest position sits at _idx: unroll the ring
+            keys, values = mx.roll(keys, -end, axis=2), mx.roll(values, -end, axis=2)
+            end = keys.shape[2]
+        n = end - lp
+        if n <= 0 or n > off or (lp > 0 and n != off):
+            raise InvalidInput(
+                f"{where}: BatchRotatingKVCache row {i} is inconsistent ({n} positions held for "
+                f"offset {off}, left padding {lp})"
+            )
+        out.keys = own(keys[:, :, lp:end, :])
+        out.values = own(values[:, :, lp:end, :])
+        out.offset = off
+        out._idx = n
+        return out
+
+    def check_join(self, batch_layer, row_layer, where):
+        if row_layer.max_size != batch_layer.max_size:
+            raise InvalidInput(
+                f"{where}: a RotatingKVCache of max_size {row_layer.max_size} cannot join a batch "
+                f"of max_size {batch_layer.max_size}"
+            )
+
+    def kv_signature(self, layer):
+        return kv_signature(layer)
+
+
 register(RotatingKVCodec())
+register_rows(BatchRotatingKVCache, BatchRotatingKVRows())

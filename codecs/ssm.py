@@ -4,24 +4,60 @@ Encoding folds pending rows of a rolled-back speculative round first, so the
 entry holds exactly the accepted state, and refuses a cache whose round is
 still open. Meta: per-row ``offsets``, whether the two slots are present, and
 the batch bookkeeping (``left_padding``, ``lengths``) when set.
+
+Capabilities: row moves (``row_offset``/``extract``), speculative verify
+rounds instead of trim, and an mlx-lm file as ``ArraysCache(2)``.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_lm.models.cache import ArraysCache
+
 from promptstore.codecs._registry import Codec, array, register, require
-from promptstore.errors import CorruptEntry, CoverageMismatch
+from promptstore.codecs._rows import Rows, slot_signature
+from promptstore.errors import CorruptEntry, CoverageMismatch, InvalidInput
 from promptstore.ssm import SSMCache
 
 _MAX_ROWS = 1 << 16
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
+class SSMRows(Rows):
+    """SSMCache keeps per-row coverage and extracts compact rows itself."""
+
+    serial = SSMCache
+
+    def count(self, layer):
+        return int(layer.batch_size)
+
+    def coverage(self, layer, i, where):
+        return int(layer.row_offset(i))
+
+    def extract(self, layer, i, where):
+        return layer.extract(i)
+
+    def slot_signature(self, layer):
+        return slot_signature(layer)
+
+
 class SSMCodec(Codec):
     kind = SSMCache.storage_kind
     version = 1
     types = (SSMCache,)
+    rows = SSMRows()
+    rounds = True
+    mlx_lm_class = ArraysCache
+
+    def to_mlx_lm(self, layer):
+        """mlx-lm resolves a file's classes by name in its own module: written
+        as the ``ArraysCache(2)`` it mirrors (pending rows folded by the slot reads)."""
+        if layer.batch_size != 1:
+            raise InvalidInput(f"an SSMCache batch of {layer.batch_size} rows cannot be written to one mlx-lm file")
+        out = ArraysCache(2)
+        out.cache = [layer[0], layer[1]]
+        return out
 
     def encode(self, layer):
         layer.check_persistable()

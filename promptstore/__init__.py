@@ -16,6 +16,7 @@ from promptstore.errors import (
     CoverageMismatch,
     EntryNotFound,
     InvalidInput,
+    MissingCapability,
     ModelMismatch,
     PromptStoreError,
     RoundError,
@@ -32,7 +33,7 @@ from promptstore.ssm import SSMCache, adapt, unadapt
 from promptstore.ssm import make_prompt_cache as make_ssm_prompt_cache
 from promptstore.store import EntryInfo, Hit, PromptStore, VerifyReport, default_path
 from promptstore.serving import PersistentPromptCache, model_identity
-from promptstore.store._budget import GcReport
+from promptstore.store._results import GcReport
 from promptstore.store._salvage import SalvageReport, salvage
 from promptstore.jobs.warmup import LineError, WarmupSummary, warmup
 

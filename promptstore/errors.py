@@ -12,6 +12,7 @@ Messages say what failed, where (path or key) and what to do about it.
     ├── EntryNotFound           (also KeyError) no entry under that key
     ├── CodecError              a layer cannot be encoded or decoded
     │   ├── UnknownStorageKind  unregistered class or kind string
+    │   │   └── MissingCapability   (also InvalidInput) the exact class's codec cannot do this
     │   └── UnsupportedVersion  a codec or format version newer than this reader
     ├── CorruptEntry            checksum, size or manifest damage in one entry
     ├── RoundError              a speculative verify round used out of order
@@ -30,6 +31,7 @@ __all__ = [
     "EntryNotFound",
     "CodecError",
     "UnknownStorageKind",
+    "MissingCapability",
     "UnsupportedVersion",
     "CorruptEntry",
     "RoundError",
@@ -72,6 +74,16 @@ class CodecError(PromptStoreError):
 
 class UnknownStorageKind(CodecError):
     """The cache class or storage-kind string has no registered codec."""
+
+
+class MissingCapability(UnknownStorageKind, InvalidInput):
+    """No codec, or no capability of its codec, serves this exact cache class
+    (rows of a batch, trim, speculative rounds, ...).
+
+    An UnknownStorageKind (nothing registered for exactly this class can do
+    it) and an InvalidInput (the caller passed a layer the operation cannot
+    take), so callers that catch either keep working.
+    """
 
 
 class UnsupportedVersion(CodecError):

@@ -23,241 +23,31 @@ stores directly (the tokens are exact when ``insert`` got ``all_tokens`` for
 any cache it was given).
 
 Hybrid models: ``ArraysCache`` cannot tell its coverage; a row's coverage then
-comes from its attention layers. Classes of our own plug in by duck typing:
-anything with ``row_offset(i)``, ``extract(i)`` and ``batch_size`` (SSMCache).
+comes from its attention layers. Each layer's row moves are a capability found
+in the codec registry by the layer's exact class (``rows_for_layer``): a class
+nobody registered, a subclass of a registered one included, is refused with
+``MissingCapability`` (an UnknownStorageKind and an InvalidInput).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    ArraysCache,
-    BatchKVCache,
-    BatchRotatingKVCache,
-    CacheList,
-    KVCache,
-    RotatingKVCache,
-)
 
+from promptstore.codecs import encode_layer, rows_for_layer
+from promptstore.codecs._rows import check_joinable
 from promptstore.errors import CoverageMismatch, InvalidInput
+from promptstore.store._keys import Tokens, as_tokens
 
 __all__ = ["row_count", "row_coverage", "extract_row", "put_row", "merge_rows", "row_nbytes"]
 
 
-# -- per-class row handlers -----------------------------------------------------
+# -- row moves of each class: the codec registry, by exact type (rows_for_layer) ----
 
 
 def _name(layer: Any) -> str:
     return type(layer).__name__
-
-
-def _ints(x: Optional[mx.array]) -> Optional[List[int]]:
-    return None if x is None else [int(v) for v in x.tolist()]
-
-
-def _own(x: Optional[mx.array]) -> Optional[mx.array]:
-    """A copy of a slice that shares no buffer with the batch (evaluated later)."""
-    return None if x is None else mx.contiguous(x)
-
-
-def _check_settled(layer: Any, where: str) -> None:
-    """Refuse a batch caught between ``prepare()`` and ``finalize()``: its
-    offsets still count right padding."""
-    if type(layer) is BatchKVCache:
-        pending = layer._right_padding is not None
-    elif type(layer) is BatchRotatingKVCache:
-        pending = layer._lengths is not None
-    else:
-        pending = getattr(layer, "lengths", None) is not None
-    if pending:
-        raise InvalidInput(
-            f"{where}: the batch is between prepare() and finalize() (a right-padded window is "
-            "in progress); take rows between forward calls"
-        )
-
-
-# BatchKVCache: keys [B, H, capacity, D]; row i holds positions
-# left_padding[i] .. _idx, and offset[i] == _idx - left_padding[i].
-
-
-def _bkv_rows(layer: BatchKVCache) -> int:
-    return int(layer.offset.shape[0])
-
-
-def _bkv_cov(layer: BatchKVCache, i: int, where: str) -> int:
-    _check_settled(layer, where)
-    off = int(layer.offset[i].item())
-    lp = int(layer.left_padding[i].item())
-    if lp < 0 or layer._idx - lp != off:
-        raise InvalidInput(
-            f"{where}: BatchKVCache row {i} is inconsistent (offset {off}, left padding {lp}, "
-            f"write position {layer._idx}); was the cache changed behind mlx-lm's back?"
-        )
-    return off
-
-
-def _bkv_extract(layer: BatchKVCache, i: int, where: str) -> KVCache:
-    off = _bkv_cov(layer, i, where)
-    out = KVCache()
-    if layer.keys is not None and off > 0:
-        lp = layer._idx - off
-        out.keys = _own(layer.keys[i : i + 1, :, lp : layer._idx, :])
-        out.values = _own(layer.values[i : i + 1, :, lp : layer._idx, :])
-        out.offset = off
-    return out
-
-
-# BatchRotatingKVCache: a ring of max_size (+ a window while prefilling) per
-# row; in temporal order row i starts at max(0, left_padding[i]).
-
-
-def _brkv_rows(layer: BatchRotatingKVCache) -> int:
-    return int(layer.offset.shape[0])
-
-
-def _brkv_cov(layer: BatchRotatingKVCache, i: int, where: str) -> int:
-    _check_settled(layer, where)
-    return int(layer.offset[i].item())
-
-
-def _brkv_extract(layer: BatchRotatingKVCache, i: int, where: str) -> RotatingKVCache:
-    off = _brkv_cov(layer, i, where)
-    out = RotatingKVCache(layer.max_size)
-    if layer.keys is None or off == 0:
-        return out
-    lp = max(0, int(layer.left_padding[i].item()))
-    keys, values, end = layer.keys[i : i + 1], layer.values[i : i + 1], layer._idx
-    if layer.rotated:  # the oldest position sits at _idx: unroll the ring
-        keys, values = mx.roll(keys, -end, axis=2), mx.roll(values, -end, axis=2)
-        end = keys.shape[2]
-    n = end - lp
-    if n <= 0 or n > off or (lp > 0 and n != off):
-        raise InvalidInput(
-            f"{where}: BatchRotatingKVCache row {i} is inconsistent ({n} positions held for "
-            f"offset {off}, left padding {lp})"
-        )
-    out.keys = _own(keys[:, :, lp:end, :])
-    out.values = _own(values[:, :, lp:end, :])
-    out.offset = off
-    out._idx = n
-    return out
-
-
-# ArraysCache: fixed slots [B, ...]; coverage unknown. Empty slots stay empty
-# (mlx-lm's own extract raises TypeError on them).
-
-
-def _arrays_rows(layer: ArraysCache) -> int:
-    return int(layer.batch_size)
-
-
-def _arrays_cov(layer: ArraysCache, i: int, where: str) -> Optional[int]:
-    _check_settled(layer, where)
-    return None
-
-
-def _arrays_extract(layer: ArraysCache, i: int, where: str) -> ArraysCache:
-    _check_settled(layer, where)
-    out = ArraysCache(len(layer.cache))
-    # left_padding only masks a window still to come; a serial row has none.
-    out.cache = [None if s is None else _own(s[i : i + 1]) for s in layer.cache]
-    return out
-
-
-# Serial mlx-lm classes run with B > 1 (a plain batched forward, no padding):
-# every row covers ``offset`` tokens.
-
-
-def _kv_rows(layer: Any) -> int:
-    return 1 if layer.keys is None else int(layer.keys.shape[0])
-
-
-def _kv_cov(layer: Any, i: int, where: str) -> int:
-    return int(layer.offset)
-
-
-def _kv_extract(layer: KVCache, i: int, where: str) -> KVCache:
-    out = KVCache()
-    if layer.keys is not None and layer.offset > 0:
-        out.keys = _own(layer.keys[i : i + 1, :, : layer.offset, :])
-        out.values = _own(layer.values[i : i + 1, :, : layer.offset, :])
-        out.offset = int(layer.offset)
-    return out
-
-
-def _rkv_extract(layer: RotatingKVCache, i: int, where: str) -> RotatingKVCache:
-    out = RotatingKVCache(layer.max_size, keep=layer.keep)
-    if layer.keys is not None:
-        n = min(int(layer.offset), layer.keys.shape[2])
-        out.keys = _own(layer.keys[i : i + 1, :, :n, :])
-        out.values = _own(layer.values[i : i + 1, :, :n, :])
-    out.offset, out._idx = int(layer.offset), int(layer._idx)
-    return out
-
-
-# CacheList: its inner caches, row by row.
-
-
-def _list_rows(layer: CacheList) -> int:
-    counts = {row_count([c]) for c in layer.caches}
-    if len(counts) != 1:
-        raise InvalidInput(f"CacheList inner caches disagree on the number of rows: {sorted(counts)}")
-    return counts.pop()
-
-
-def _list_cov(layer: CacheList, i: int, where: str) -> Optional[int]:
-    known = {c for c in (_handler(x, where)[1](x, i, where) for x in layer.caches) if c is not None}
-    if len(known) > 1:
-        raise CoverageMismatch(f"{where}: CacheList inner caches of row {i} cover {sorted(known)} tokens")
-    return known.pop() if known else None
-
-
-def _list_extract(layer: CacheList, i: int, where: str) -> CacheList:
-    return CacheList(*(_handler(c, where)[2](c, i, where) for c in layer.caches))
-
-
-# Our own batch-lane classes (SSMCache): duck typed on row_offset / extract.
-
-
-def _duck_rows(layer: Any) -> int:
-    return int(layer.batch_size)
-
-
-def _duck_cov(layer: Any, i: int, where: str) -> int:
-    return int(layer.row_offset(i))
-
-
-def _duck_extract(layer: Any, i: int, where: str) -> Any:
-    return layer.extract(i)
-
-
-Handler = Tuple[Callable[[Any], int], Callable[[Any, int, str], Optional[int]], Callable[[Any, int, str], Any]]
-
-_HANDLERS: Dict[type, Handler] = {
-    BatchKVCache: (_bkv_rows, _bkv_cov, _bkv_extract),
-    BatchRotatingKVCache: (_brkv_rows, _brkv_cov, _brkv_extract),
-    ArraysCache: (_arrays_rows, _arrays_cov, _arrays_extract),
-    KVCache: (_kv_rows, _kv_cov, _kv_extract),
-    RotatingKVCache: (_kv_rows, _kv_cov, _rkv_extract),
-    CacheList: (_list_rows, _list_cov, _list_extract),
-}
-_DUCK: Handler = (_duck_rows, _duck_cov, _duck_extract)
-
-
-def _handler(layer: Any, where: str) -> Handler:
-    # Exact type, as the codec registry: a subclass may carry state we would drop.
-    h = _HANDLERS.get(type(layer))
-    if h is not None:
-        return h
-    if all(hasattr(layer, a) for a in ("row_offset", "extract", "batch_size")):
-        return _DUCK
-    raise InvalidInput(
-        f"{where}: cannot take a row of a {type(layer).__module__}.{type(layer).__qualname__}; "
-        "supported: BatchKVCache, BatchRotatingKVCache, ArraysCache, KVCache, RotatingKVCache, "
-        "CacheList, and classes with row_offset(i)/extract(i)/batch_size (SSMCache)"
-    )
 
 
 # -- public API ---------------------------------------------------------------------
@@ -280,7 +70,7 @@ def row_count(batch_cache: Sequence[Any]) -> int:
     """
     counts = []
     for li, layer in enumerate(_layers(batch_cache)):
-        counts.append(_handler(layer, f"layer {li}")[0](layer))
+        counts.append(rows_for_layer(layer, f"layer {li}").count(layer))
     if len(set(counts)) != 1:
         raise InvalidInput(f"the layers of this batch hold different numbers of rows: {counts}")
     return counts[0]
@@ -303,16 +93,17 @@ def row_coverage(batch_cache: Sequence[Any], row: int) -> List[Optional[int]]:
     """
     layers = _layers(batch_cache)
     _check_row(layers, row)
-    return [_handler(layer, f"layer {li}")[1](layer, row, f"layer {li}") for li, layer in enumerate(layers)]
+    return [rows_for_layer(layer, f"layer {li}").coverage(layer, row, f"layer {li}") for li, layer in enumerate(layers)]
 
 
 def _eval_layers(layers: Sequence[Any]) -> None:
     from mlx.utils import tree_flatten
 
-    arrays = []
+    arrays: List[mx.array] = []
     for layer in layers:
         # SSMCache.state folds pending rows first; mlx-lm caches are plain.
-        arrays.extend(v for _, v in tree_flatten(layer.state) if isinstance(v, mx.array))
+        flat = cast(List[Tuple[str, Any]], tree_flatten(layer.state))  # no destination given: a list
+        arrays.extend(v for _, v in flat if isinstance(v, mx.array))
     mx.eval(arrays)
 
 
@@ -332,12 +123,12 @@ def extract_row(batch_cache: Sequence[Any], row: int) -> List[Any]:
     """
     layers = _layers(batch_cache)
     _check_row(layers, row)
-    out = [_handler(layer, f"layer {li}")[2](layer, row, f"layer {li}") for li, layer in enumerate(layers)]
+    out = [rows_for_layer(layer, f"layer {li}").extract(layer, row, f"layer {li}") for li, layer in enumerate(layers)]
     _eval_layers(out)
     return out
 
 
-def put_row(store: Any, model: str, tokens: Sequence[int], batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None):
+def put_row(store: Any, model: str, tokens: Tokens, batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None):
     """Store row ``row`` of a running batch as a normal serial entry.
 
     The row is extracted compactly (see :func:`extract_row`), written with
@@ -358,14 +149,15 @@ def put_row(store: Any, model: str, tokens: Sequence[int], batch_cache: Sequence
         The stored entry's EntryInfo; ``nbytes`` counts only this row.
 
     Raises:
-        InvalidInput: row out of range, bad tokens, an unsupported layer, or
-            a batch between ``prepare()`` and ``finalize()``.
+        InvalidInput: row out of range, bad tokens, or a batch between
+            ``prepare()`` and ``finalize()``.
+        MissingCapability: a layer whose exact class has no row moves (no
+            codec, e.g. an unregistered subclass, or a kind without row
+            support); nothing is stored.
         CoverageMismatch: a layer's coverage of this row is not
             ``len(tokens)``, or no layer can tell the row's coverage.
         and everything ``PromptStore.put`` raises.
     """
-    from promptstore.store._keys import as_tokens
-
     layers = _layers(batch_cache)
     n = len(as_tokens(tokens))
     covs = row_coverage(layers, row)
@@ -386,39 +178,10 @@ def put_row(store: Any, model: str, tokens: Sequence[int], batch_cache: Sequence
 
 def row_nbytes(serial_cache: Sequence[Any]) -> int:
     """Bytes of the arrays that carry a serial row's state (what put_row writes)."""
-    from promptstore.codecs import encode_layer
-
     return sum(int(a.nbytes) for layer in serial_cache for a in encode_layer(layer).arrays.values())
 
 
 # -- merging rows into a batch -----------------------------------------------------
-
-_SERIAL_FOR: Dict[type, type] = {
-    BatchKVCache: KVCache,
-    BatchRotatingKVCache: RotatingKVCache,
-    ArraysCache: ArraysCache,
-    CacheList: CacheList,
-}
-
-
-def _check_joinable(batch_layer: Any, row_layer: Any, where: str) -> None:
-    want = _SERIAL_FOR.get(type(batch_layer), type(batch_layer))
-    if type(row_layer) is not want:
-        raise InvalidInput(
-            f"{where}: a {_name(row_layer)} row cannot join a {_name(batch_layer)} layer "
-            f"(expected a {want.__name__})"
-        )
-    if type(batch_layer) is BatchRotatingKVCache and row_layer.max_size != batch_layer.max_size:
-        raise InvalidInput(
-            f"{where}: a RotatingKVCache of max_size {row_layer.max_size} cannot join a batch "
-            f"of max_size {batch_layer.max_size}"
-        )
-    if type(batch_layer) is CacheList:
-        if len(row_layer.caches) != len(batch_layer.caches):
-            raise InvalidInput(f"{where}: CacheList rows hold a different number of inner caches")
-        for j, (b, r) in enumerate(zip(batch_layer.caches, row_layer.caches)):
-            _check_joinable(b, r, f"{where}.{j}")
-
 
 def _check_shapes(layers: Sequence[Any], where: str) -> None:
     """Rows must agree on KV heads, head dims and dtype, and on the shape and
@@ -426,11 +189,12 @@ def _check_shapes(layers: Sequence[Any], where: str) -> None:
     seen = set()
     slots = set()
     for layer in layers:
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, mx.array):
-            seen.add((keys.shape[1], keys.shape[3], layer.values.shape[3], keys.dtype))
-        if isinstance(layer, ArraysCache) or hasattr(layer, "row_offset"):
-            slots.add(tuple(None if x is None else (tuple(x.shape[1:]), str(x.dtype)) for x in (layer[0], layer[1])))
+        rows = rows_for_layer(layer, where)
+        kv, slot = rows.kv_signature(layer), rows.slot_signature(layer)
+        if kv is not None:
+            seen.add(kv)
+        if slot is not None:
+            slots.add(slot)
     if len(seen) > 1:
         raise InvalidInput(f"{where}: rows disagree on KV heads, head dims or dtype: {sorted(map(str, seen))}")
     present = {s for s in slots if all(x is not None for x in s)}
@@ -446,7 +210,7 @@ def _row_layers(rows: Sequence[Sequence[Any]], n_layers: Optional[int]) -> List[
             raise InvalidInput(f"row {r} has {len(layers)} layers, expected {n_layers}")
         n_layers = len(layers)
         for li, layer in enumerate(layers):
-            if type(layer) in _SERIAL_FOR and _SERIAL_FOR[type(layer)] is not type(layer):
+            if rows_for_layer(layer, f"row {r} layer {li}").serial is not type(layer):
                 raise InvalidInput(
                     f"row {r} layer {li} is a {_name(layer)}: pass serial caches "
                     "(from store.get or extract_row)"
@@ -486,23 +250,16 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
         ref = batch[li] if batch is not None else per_row[0]
         for r, layer in enumerate(per_row):
             if batch is not None:
-                _check_joinable(ref, layer, f"{where} (row {r})")
+                check_joinable(ref, layer, f"{where} (row {r})")
             elif type(layer) is not type(ref):
                 raise InvalidInput(f"{where}: rows mix {_name(ref)} and {_name(layer)}")
         _check_shapes(per_row + ([ref] if batch is not None else []), where)
     if batch is not None:
-        _check_settled_all(batch)
+        for li, layer in enumerate(batch):
+            rows_for_layer(layer, f"layer {li}").check_settled(layer, f"layer {li}")
     merged = [type(row_layers[0][li]).merge([r[li] for r in row_layers]) for li in range(n_layers)]
     if batch is None:
         return merged
     for layer, new in zip(batch, merged):
         layer.extend(new)
     return batch_cache if isinstance(batch_cache, list) else batch
-
-
-def _check_settled_all(batch: Sequence[Any]) -> None:
-    for li, layer in enumerate(batch):
-        if type(layer) is CacheList:
-            _check_settled_all(layer.caches)
-        elif type(layer) in (BatchKVCache, BatchRotatingKVCache, ArraysCache):
-            _check_settled(layer, f"layer {li}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from promptstore.codecs import codec_for_layer
 from promptstore.jobs.prefill import make_cache, prefill
 
 __all__ = ["BOUNDARY_ROLES", "message_boundaries", "needs_checkpoints", "prefill_with_checkpoints"]
@@ -45,18 +46,13 @@ def needs_checkpoints(model: Any, n_tokens: Optional[int] = None) -> bool:
     """True when a cache of ``n_tokens`` on ``model`` could not be trimmed:
     a recurrent layer, or a sliding window no longer than the prompt (any
     sliding window when ``n_tokens`` is None). Such entries only serve
-    queries that extend them exactly, so chats need boundary checkpoints."""
+    queries that extend them exactly, so chats need boundary checkpoints.
+    Each layer's codec decides (a kind that does not say needs them).
 
-    def untrimmable(layer) -> bool:
-        inner = getattr(layer, "caches", None)
-        if inner is not None and type(layer).__name__ == "CacheList":
-            return any(untrimmable(c) for c in inner)
-        if not layer.is_trimmable():
-            return True
-        size = getattr(layer, "max_size", None)
-        return isinstance(size, int) and (n_tokens is None or size <= n_tokens)
-
-    return any(untrimmable(layer) for layer in make_cache(model))
+    Raises:
+        UnknownStorageKind: a layer's exact class has no codec.
+    """
+    return any(codec_for_layer(layer).needs_checkpoints(layer, n_tokens) for layer in make_cache(model))
 
 
 def prefill_with_checkpoints(

@@ -19,16 +19,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
-from promptstore.codecs import layer_coverage
+from promptstore.codecs import codec_for_layer, layer_coverage
 from promptstore.errors import (
     CorruptEntry,
     CoverageMismatch,
     InvalidInput,
     ModelMismatch,
-    UnknownStorageKind,
 )
+from promptstore.jobs.prefill import make_cache
 
 __all__ = [
     "MlxCacheFile",
@@ -60,25 +60,15 @@ class MlxCacheFile:
 
 def _to_mlx_lm_layer(layer: Any) -> Any:
     """mlx-lm resolves a file's layer classes by name in its own cache module:
-    promptstore's own classes are written as the mlx-lm class they mirror."""
-    from mlx_lm.models import cache as mc
+    each layer is written as its codec's mlx-lm class (promptstore's own
+    classes as the mlx-lm class they mirror).
 
-    from promptstore.ssm import SSMCache
-
-    if type(layer) is SSMCache:
-        if layer.batch_size != 1:
-            raise InvalidInput(f"an SSMCache batch of {layer.batch_size} rows cannot be written to one mlx-lm file")
-        out = mc.ArraysCache(2)
-        out.cache = [layer[0], layer[1]]
-        return out
-    if type(layer) is mc.CacheList:
-        return mc.CacheList(*(_to_mlx_lm_layer(c) for c in layer.caches))
-    if getattr(mc, type(layer).__name__, None) is not type(layer):
-        raise UnknownStorageKind(
-            f"layer class {type(layer).__module__}.{type(layer).__name__} has no mlx-lm equivalent; "
-            "mlx_lm.load_prompt_cache could not read it back"
-        )
-    return layer
+    Raises:
+        UnknownStorageKind: no codec for the exact class, or its kind has no
+            mlx-lm class (MissingCapability).
+        InvalidInput: a batch of several rows (SSMCache).
+    """
+    return codec_for_layer(layer).to_mlx_lm(layer)
 
 
 def cache_coverage(cache: Sequence[Any], where: str = "cache") -> int:
@@ -88,7 +78,7 @@ def cache_coverage(cache: Sequence[Any], where: str = "cache") -> int:
         CoverageMismatch: the layers disagree, or none can tell its coverage
             (a purely recurrent model: nothing to check a prompt against).
     """
-    known = {}
+    known: Dict[int, int] = {}
     for i, layer in enumerate(cache):
         n = layer_coverage(layer)
         if n is not None:
@@ -195,13 +185,11 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from promptstore.jobs.prefill import make_cache
-
     probe = make_cache(model)
     if len(probe) != len(cache):
         raise ModelMismatch(f"{where}: {len(cache)} layers, but the model makes {len(probe)}; it was made by another model")
     for i, (mine, theirs) in enumerate(zip(probe, cache)):
-        if type(mine).__name__ != type(theirs).__name__:
+        if type(mine) is not type(theirs):  # both are mlx-lm's classes here
             raise ModelMismatch(
                 f"{where}: layer {i} is {type(theirs).__name__}, the model makes {type(mine).__name__}; it was made by another model"
             )
@@ -217,12 +205,14 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
 
 
 def _same_but_length(x: Tuple[int, ...], y: Tuple[int, ...], layer: Any) -> bool:
-    """KV arrays are ``[B, heads, seq, dim]``: all but the sequence axis must
-    agree. Recurrent slots (ArraysCache) have no sequence axis: all of it."""
+    """KV arrays are ``[B, heads, seq, dim]``: all but the sequence axis (the
+    codec's ``seq_axis``) must agree. Recurrent slots have none: all of it."""
     if x == y:
         return True
-    recurrent = type(layer).__name__ == "ArraysCache"
-    return not recurrent and len(x) == 4 and len(y) == 4 and x[:2] == y[:2] and x[3] == y[3]
+    axis = codec_for_layer(layer).seq_axis
+    if axis is None or len(x) != 4 or len(y) != 4:
+        return False
+    return x[:axis] == y[:axis] and x[axis + 1 :] == y[axis + 1 :]
 
 
 TAIL_TOKENS = 4
@@ -262,7 +252,7 @@ def check_tail_tokens(cache: Sequence[Any], model: Any, tokens: Sequence[int], w
         for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
             a = a[..., n - k : n, :].astype(mx.float32)
             b = b[..., n - k : n, :].astype(mx.float32)
-            err = (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item()
+            err = cast(float, (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item())  # float32 scalar: a float
             if err > TAIL_TOLERANCE:
                 raise CoverageMismatch(
                     f"{where}: the cache's last {k} positions (layer {i}) were not made from the last {k} tokens of the prompt; "

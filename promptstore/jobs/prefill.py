@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
 
@@ -31,7 +31,7 @@ def load_model(path: str) -> Tuple[Any, Any]:
     if not (p / "config.json").is_file():
         raise InvalidInput(f"{p}: not an mlx-lm model directory (no config.json)")
     try:
-        return load(str(p))
+        return cast(Tuple[Any, Any], load(str(p)))  # (model, tokenizer) without return_config
     except Exception as err:  # mlx-lm raises ValueError, KeyError, OSError... on bad dirs
         raise InvalidInput(f"{p}: cannot load model: {type(err).__name__}: {err}") from err
 
@@ -77,7 +77,9 @@ def eval_cache(cache: List[Any]) -> None:
     """Evaluate every array a cache holds."""
     from mlx.utils import tree_flatten
 
-    mx.eval([v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)])
+    # Without a destination, tree_flatten returns the list of pairs.
+    pairs = cast(List[Tuple[str, Any]], tree_flatten([c.state for c in cache]))
+    mx.eval([v for _, v in pairs if isinstance(v, mx.array)])
 
 
 def prefill(
@@ -98,7 +100,8 @@ def prefill(
     done = 0
     while done < total:
         n = min(step, total - done)
-        model(mx.array(tokens[done : done + n])[None], cache=cache)
+        # mx.array takes any sequence of ints; its stub names only list and tuple.
+        model(mx.array(cast(List[int], tokens[done : done + n]))[None], cache=cache)
         eval_cache(cache)
         done += n
         if progress is not None:

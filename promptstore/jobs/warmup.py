@@ -41,11 +41,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
+from promptstore.codecs import codec_for_layer, encode_layer
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
-from promptstore.codecs import encode_layer
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.identity import fingerprint
 from promptstore.jobs.prefill import PREFILL_STEP, encode_prompt, eval_cache, load_model, make_cache
+from promptstore.rows import extract_row
 
 __all__ = [
     "warmup",
@@ -209,21 +210,16 @@ class _Plan:
 
 
 def _batchable(model: Any) -> bool:
-    from mlx_lm.models.cache import ArraysCache, KVCache
+    """Whether every layer's codec can prefill rows left-padded in a batch.
 
-    return all(type(layer) in (KVCache, ArraysCache) for layer in make_cache(model))
+    Raises:
+        UnknownStorageKind: a layer's exact class has no codec.
+    """
+    return all(codec_for_layer(layer).batchable for layer in make_cache(model))
 
 
 def _batch_cache(model: Any, pads: List[int]) -> List[Any]:
-    from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
-
-    out = []
-    for layer in make_cache(model):
-        if type(layer) is KVCache:
-            out.append(BatchKVCache(list(pads)))
-        else:
-            out.append(ArraysCache(len(layer.cache), left_padding=list(pads)))
-    return out
+    return [codec_for_layer(layer).batch_layer(layer, pads) for layer in make_cache(model)]
 
 
 def _same_entry(a: List[Any], b: List[Any]) -> bool:
@@ -311,8 +307,6 @@ class _Job:
     def _row(cache: List[Any], i: int, rows: bool) -> List[Any]:
         if not rows:
             return cache
-        from promptstore.rows import extract_row
-
         return extract_row(cache, i)  # a compact, evaluated copy of row i, before prefill goes on
 
     def _emit(self, i: int, plan: _Plan, n: int, cache: List[Any], final: bool, sink: Optional[List]) -> None:

@@ -58,7 +58,7 @@ class SSMCache(Rounds):
     # -- coverage --------------------------------------------------------------
 
     @property
-    def batch_size(self) -> int:
+    def batch_size(self) -> int:  # type: ignore[override]  # Rounds declares `batch_size: int` only for its own reads; here it is derived, read-only
         """Number of rows."""
         return len(self._offsets)
 
@@ -226,10 +226,12 @@ class SSMCache(Rounds):
     def make_mask(self, N: int) -> Optional[mx.array]:
         pos = mx.arange(N)
         mask = None
-        if self._left_padding is not None:
-            mask = pos >= self.left_padding[:, None]
-        if self._lengths is not None:
-            in_length = pos < self.lengths[:, None]
+        left_padding = self.left_padding
+        if left_padding is not None:
+            mask = pos >= left_padding[:, None]
+        lengths = self.lengths
+        if lengths is not None:
+            in_length = pos < lengths[:, None]
             mask = in_length if mask is None else (mask & in_length)
         return mask
 
@@ -300,13 +302,14 @@ class SSMCache(Rounds):
         owns fresh arrays, or takes the arrays of the only cache with rows when
         there is nothing to concatenate.
         """
-        parts = ([caches] if isinstance(caches, SSMCache) or caches is None else list(caches))
-        parts = [c for c in parts + list(more) if c is not None]
-        for c in parts:
+        given: List[Any] = [caches] if isinstance(caches, SSMCache) or caches is None else list(caches)
+        parts: List[SSMCache] = []
+        for c in [c for c in given + list(more) if c is not None]:
             if not isinstance(c, SSMCache):
                 raise InvalidInput(f"SSMCache.merge: cannot merge a {type(c).__name__}")
             c._check_no_round("merge")
             c._fold()
+            parts.append(c)
         parts = [c for c in parts if c.batch_size > 0]
         if not parts:
             raise InvalidInput("SSMCache.merge: nothing to merge")

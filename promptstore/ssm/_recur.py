@@ -17,7 +17,7 @@ positions performs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, overload
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -133,6 +133,10 @@ def _cat(xs: List[mx.array]) -> mx.array:
     return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=1)
 
 
+@overload
+def _rows(x: mx.array, idx: Optional[mx.array]) -> mx.array: ...
+@overload
+def _rows(x: Optional[mx.array], idx: Optional[mx.array]) -> Optional[mx.array]: ...
 def _rows(x: Optional[mx.array], idx: Optional[mx.array]) -> Optional[mx.array]:
     if x is None or idx is None:
         return x
@@ -196,10 +200,10 @@ def fold(
         order.extend(rows)
     if len(groups) == 1:
         return convs[0], states[0]
-    inverse = [0] * B
+    positions = [0] * B
     for pos, row in enumerate(order):
-        inverse[row] = pos
-    inverse = mx.array(inverse)
+        positions[row] = pos
+    inverse = mx.array(positions)
     conv = mx.take(mx.concatenate(convs, axis=0), inverse, axis=0)
     new_state = mx.take(mx.concatenate(states, axis=0), inverse, axis=0)
     return conv, new_state

@@ -8,7 +8,7 @@ the protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, TypeGuard, Union, cast
 
 import mlx.core as mx
 
@@ -169,7 +169,7 @@ class Rounds:
         self._slots = [conv, state]
 
 
-def is_int(x) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -177,5 +177,5 @@ def as_list(value) -> Optional[List[int]]:
     if value is None:
         return None
     if isinstance(value, mx.array):
-        return value.tolist()
+        return cast(List[int], value.tolist())
     return [int(x) for x in value]

@@ -16,11 +16,12 @@ consumer that stops early leaves them covering the whole current round.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, List, Optional, Tuple
+from typing import Any, Callable, Generator, List, Optional, Tuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from promptstore.codecs import codec_for_layer
 from promptstore.errors import InvalidInput
 from promptstore.ssm._cache import adapt, make_prompt_cache
 
@@ -66,12 +67,18 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 
 def _check_cache(cache: List[Any], which: str) -> None:
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    """Every layer's exact-class codec must trim at any length or run rounds.
 
+    Raises:
+        UnknownStorageKind: a layer's exact class has no codec (a subclass of
+            SSMCache included: its extra state would escape the rounds).
+        InvalidInput: a layer's kind can neither always trim nor run rounds.
+    """
     for i, c in enumerate(cache):
-        # Only caches that stay trimmable whatever their length: a sliding window
+        codec = codec_for_layer(c)
+        # Only kinds that stay trimmable whatever their length: a sliding window
         # (RotatingKVCache) stops being trimmable once it wraps.
-        if not (type(c) in (KVCache, QuantizedKVCache) or hasattr(c, "begin_round")):
+        if not (codec.always_trimmable or codec.rounds):
             raise InvalidInput(
                 f"speculative decoding: layer {i} of the {which} cache is a "
                 f"{type(c).__name__}, which can neither always trim nor run verify rounds; "
@@ -79,16 +86,21 @@ def _check_cache(cache: List[Any], which: str) -> None:
             )
 
 
+def _rounds(layer: Any) -> bool:
+    """True when ``layer`` runs verify rounds, False when it trims (``_check_cache`` passed)."""
+    return codec_for_layer(layer).rounds
+
+
 def _begin(cache: List[Any]) -> None:
     for c in cache:
-        if not c.is_trimmable():
+        if _rounds(c):
             c.begin_round()
 
 
 def _resolve(cache: List[Any], recorded: int, keep: int) -> None:
     """Keep the first ``keep`` of ``recorded`` positions of the round."""
     for c in cache:
-        if c.is_trimmable():
+        if not _rounds(c):
             if recorded > keep:
                 c.trim(recorded - keep)
         elif keep == recorded:
@@ -143,6 +155,7 @@ def speculative_generate_step(
     Raises:
         InvalidInput: a bad argument, or a cache layer that can neither trim nor
             run verify rounds.
+        UnknownStorageKind: a cache layer's exact class has no codec.
     """
     if num_draft_tokens < 1:
         raise InvalidInput(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -170,21 +183,22 @@ def speculative_generate_step(
         num_draft = min(max_tokens - ntoks, num_draft_tokens)
 
         # Draft: the first step consumes confirmed tokens; the rest are recorded.
-        drafts = []
+        drafts: List[mx.array] = []
         d, _ = sample(draft_model(draft_y[None], cache=draft_cache)[:, -1])
         drafts.append(d.reshape(1))
         _begin(draft_cache)
         for _ in range(num_draft - 1):
             d, _ = sample(draft_model(drafts[-1][None], cache=draft_cache)[:, -1])
             drafts.append(d.reshape(1))
-        drafts = mx.concatenate(drafts)
+        draft_arr = mx.concatenate(drafts)
 
         # Verify all drafts in one window.
         _begin(model_cache)
-        window = mx.concatenate([y, drafts.astype(mx.uint32)])
-        tokens, logprobs = sample(model(window[None], cache=model_cache)[0])
-        mx.eval(tokens, drafts)
-        tokens, draft_list = tokens.tolist(), drafts.tolist()
+        window = mx.concatenate([y, draft_arr.astype(mx.uint32)])
+        target, logprobs = sample(model(window[None], cache=model_cache)[0])
+        mx.eval(target, draft_arr)
+        # 1-D arrays: tolist() gives a flat list of ints
+        tokens, draft_list = cast(List[int], target.tolist()), cast(List[int], draft_arr.tolist())
 
         n = 0
         while n < num_draft and tokens[n] == draft_list[n]:
