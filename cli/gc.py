@@ -58,10 +58,12 @@ def gc(obj, budget, dry_run, yes, as_json):
             fail("NeedsConfirmation", f"refusing to evict {len(evicting)} entries without a terminal to confirm; pass --yes", as_json)
         if not click.confirm(f"Evict {len(evicting)} entries, {format_size(plan.freed)}?", default=False, err=True):
             fail("Aborted", "not confirmed; nothing evicted", as_json)
+    # Exactly the confirmed plan is evicted: entries used or added since do not change it.
     if budget is not None:
-        evicted = store.set_budget(new_budget).evicted + store.gc().evicted  # gc also recounts sizes
+        evicted = store.set_budget(new_budget, plan=plan).evicted
+        store.gc(plan=plan)  # recounts sizes and sweeps stray blob files; the planned entries are gone already
     else:
-        evicted = store.gc().evicted
+        evicted = store.gc(plan=plan).evicted
     if as_json:
         emit_json({"dry_run": False, "budget": store.budget, "evicted": list(evicted),
                    "usage": store.usage(), "file_bytes": store.file_size()})

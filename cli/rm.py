@@ -7,7 +7,6 @@ from datetime import datetime, timezone
 
 import click
 
-from promptstore import EntryNotFound
 from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option
 from promptstore.cli._select import key_length, model_filter, model_help, parse_duration
 from promptstore.cli.ls import entry_rows, plural, render_table
@@ -81,12 +80,9 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
             fail("NeedsConfirmation", f"refusing to remove {plural(len(plan))} ({format_size(total)}) without a terminal to confirm; pass --yes", as_json)
         if not click.confirm(f"Remove {plural(len(plan))}, {format_size(total)}?", default=False, err=True):
             fail("Aborted", "not confirmed; nothing removed", as_json)
-    removed, missing = [], []
-    for info in plan:
-        try:
-            removed.append(store.remove(info.id))
-        except EntryNotFound:
-            missing.append(info.id)  # removed meanwhile by another process
+    # Exactly the planned entries, in one transaction: one removed or replaced
+    # by another process since the plan is reported, not deleted.
+    removed, missing = store.remove_planned(plan)
     if as_json:
         report(removed, missing)
         return

@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,56 @@ def _check_done(path, done):
         for seed, i in done:
             t, c = make_entry(seed, i, big_every=3)
             assert same_cache(store.get(MODEL, t), c)
+
+
+# -- scan, plan, execute: the plan shown is the plan executed -----------------------
+
+
+def test_gc_executes_the_plan_it_showed_not_a_new_one(tmp_path):
+    """A dry run plans to evict the least recently used entry; then that entry
+    is used and another one is added. gc(plan=...) evicts exactly the planned
+    entry, and nothing else, though a fresh plan would now pick others."""
+    with PromptStore(tmp_path / "s") as store:
+        puts = [make_entry(31, i, big_every=0) for i in range(4)]
+        infos = [store.put(MODEL, t, c) for t, c in puts]
+        budget = store.usage() - infos[0].nbytes // 2  # one eviction is enough
+        plan = store.gc(budget=budget, dry_run=True)
+        assert plan.dry_run and plan.evicted == (infos[0].id,)
+        store.get(MODEL, puts[0][0])  # now the most recently used: a new plan would spare it
+        store.flush()
+        t5, c5 = make_entry(31, 9, big_every=0)
+        store.put(MODEL, t5, c5)
+        assert store.gc(budget=budget, dry_run=True).evicted != plan.evicted
+        done = store.gc(plan=plan)
+        assert done.evicted == plan.evicted and not done.dry_run
+        assert infos[0].id not in ids(store) and {i.id for i in infos[1:]} <= ids(store)
+        assert true_usage(store) == store.usage()
+
+
+def test_gc_plan_spares_what_was_pinned_or_deleted_since(tmp_path):
+    with PromptStore(tmp_path / "s") as store:
+        infos = [store.put(MODEL, *make_entry(32, i, big_every=0)) for i in range(3)]
+        plan = store.gc(budget=0, dry_run=True)
+        assert set(plan.evicted) == {i.id for i in infos}
+        store.pin(infos[1].id)
+        store.remove(infos[2].id)
+        done = store.set_budget(None, plan=plan)
+        assert done.evicted == (infos[0].id,)
+        assert ids(store) == {infos[1].id}
+
+
+def test_remove_planned_leaves_an_entry_replaced_since_the_plan(tmp_path):
+    """rm's plan names entries as they were; one replaced by a newer put (same
+    tokens, so same id) after the plan is reported, not deleted."""
+    with PromptStore(tmp_path / "s") as store:
+        (t0, c0), (t1, c1) = make_entry(33, 0, big_every=0), make_entry(33, 1, big_every=0)
+        store.put(MODEL, t0, c0)
+        store.put(MODEL, t1, c1)
+        plan = list(store.entries())
+        time.sleep(0.01)
+        replaced = store.put(MODEL, t0, c0)
+        removed, vanished = store.remove_planned(plan)
+        assert vanished == [replaced.id]
+        assert [i.id for i in removed] == [e.id for e in plan if e.id != replaced.id]
+        assert ids(store) == {replaced.id}
+        assert same_cache(store.get(MODEL, t0), c0)

@@ -166,7 +166,7 @@ def test_rm_by_model_and_older_than(cli, monkeypatch):
     young = put(cli, "Young prompt.")
     hybrid = put(cli, "Old prompt.", QNEXT)
     # age one entry: rewrite its last-use time as if it was used ten days ago
-    import promptstore.store._store as store_mod
+    import promptstore.store._write as store_mod
 
     ten_days_ago = _time.time() - 10 * 86400
     monkeypatch.setattr(store_mod.time, "time", lambda: ten_days_ago)

@@ -410,18 +410,19 @@ def test_close_during_verify_stops_it_rather_than_reporting_damage(filled, monke
     close() between two of them ends it with StoreClosed, instead of listing
     the healthy entries it did not get to as problems."""
     from promptstore import StoreClosed
+    from promptstore.store._read import Reader
 
     store, entries = filled
     tokens, _ = entries[0]
     inside, proceed, out = threading.Event(), threading.Event(), {}
-    real = type(store)._restore
+    real = Reader.restore
 
     def slow_restore(self, *args, **kwargs):
         inside.set()
         proceed.wait(10)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(store), "_restore", slow_restore)
+    monkeypatch.setattr(Reader, "restore", slow_restore)
 
     def verifier():
         try:

@@ -3,11 +3,12 @@
 LMDB without ``writemap`` copies a value twice on its way to disk: into a
 malloc'd dirty page at ``put`` (every page a fresh page fault, as glibc hands
 such blocks back to the kernel after the commit) and into the page cache at
-commit. A plain file write copies once. On this machine class that made a
-durable put of an 842 MiB cache take 1.07 s against 0.47 s for a file write
-and fsync. So a payload of at least :data:`MIN_PAYLOAD` bytes is written to a
-file of its own in ``<store>/blobs/`` and the entry's manifest (format 2),
-still in LMDB, names it; smaller entries stay in LMDB.
+commit. A plain file write copies once, and the first copy's page faults
+made a large durable put through LMDB much slower than a file write and
+fsync of the same bytes (measured in docs/performance.md). So a payload of
+at least :data:`MIN_PAYLOAD` bytes is written to a file of its own in
+``<store>/blobs/`` and the entry's manifest (format 2), still in LMDB,
+names it; smaller entries stay in LMDB.
 
 The rules that keep this as safe as an entry inside LMDB:
 
@@ -37,13 +38,12 @@ import mmap
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence, Set, TypeVar
+from typing import Any, Dict, List, Sequence
 
 from promptstore.format import _entry, _fill, _pages
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
 
 log = logging.getLogger("promptstore")
-T = TypeVar("T")
 
 MIN_PAYLOAD = 8 << 20  # a payload this large goes to a blob file
 DIRNAME = "blobs"
@@ -64,29 +64,6 @@ class Vanished(CorruptEntry):
         self.blob = blob
 
 
-_LOOKS = 8
-
-
-def again(read: Callable[[Set[str]], T]) -> T:
-    """``read(lost)``, run again on a new snapshot while it meets a blob file
-    that vanished (:class:`Vanished`): the entry was deleted or
-    replaced after the snapshot was taken. A blob missing twice is lost:
-    the second snapshot was taken after the first look failed and still
-    names it. ``lost`` holds such blobs (lookup skips their entries); other
-    reads raise the second Vanished, a CorruptEntry. After ``_LOOKS`` looks
-    at an entry replaced every time, the last error is raised.
-    """
-    seen: Set[str] = set()
-    for attempt in range(_LOOKS):
-        try:
-            return read(seen)
-        except Vanished as err:
-            if err.blob in seen or attempt == _LOOKS - 1:
-                raise
-            seen.add(err.blob)
-    raise AssertionError("unreachable")
-
-
 def new_name(entry_id: str) -> str:
     return f"{entry_id}-{secrets.token_hex(8)}{_entry.BLOB_SUFFIX}"
 
@@ -97,7 +74,7 @@ def _write_all(fd: int, views: Sequence[memoryview]) -> None:
     (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux; it does not wait),
     so the device writes while later bytes are still being copied and the
     final fsync waits only for the tail. The fsync stays what makes the file
-    durable. A 178 MB write+fsync took 53 ms instead of 101 here."""
+    durable; what early writeback saves is in docs/performance.md."""
     start = _pages._sync_file_range
     done = flushed = 0
     for view in views:

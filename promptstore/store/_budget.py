@@ -6,8 +6,8 @@ budget by more than the entry being written.
 
 Tables (in the store's LMDB environment):
 
-* ``info[b"budget"]``  u64 byte budget; absent means unlimited.
-* ``info[b"usage"]``   u64 running sum of ``sizes``.
+* ``info[budget]``  u64 byte budget; absent means unlimited.
+* ``info[usage]``   u64 running sum of ``sizes``.
 * ``sizes[ekey]``      u64 bytes an entry accounts for: payload + manifest.
 * ``pins[ekey]``       present when the entry is pinned (never evicted).
 * ``used[ekey]``       f64 last use (written by the store; reads are recorded
@@ -20,33 +20,12 @@ larger than the budget until ``compact`` (the file never shrinks by itself).
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from promptstore.errors import InvalidInput, StoreFull
+from promptstore.store._schema import BUDGET_KEY, PINS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
 
-_U64 = struct.Struct(">Q")
-_F64 = struct.Struct(">d")
-BUDGET = b"budget"
-USAGE = b"usage"
-
-Unlink = Callable[[object, bytes, Optional[bytes]], None]
-
-
-@dataclass(frozen=True)
-class GcReport:
-    """Outcome of :meth:`PromptStore.gc`: what was (or, dry, would be) evicted."""
-
-    evicted: Tuple[str, ...]  # entry ids, least recently used first
-    freed: int  # bytes of the evicted entries
-    usage: int  # bytes accounted after eviction
-    budget: Optional[int]
-    dry_run: bool
-
-
-def _u64(raw) -> int:
-    return _U64.unpack(bytes(raw))[0] if raw is not None and len(raw) == 8 else 0
+Unlink = Callable[[Any, bytes, Optional[bytes]], None]
 
 
 def check_budget(budget) -> Optional[int]:
@@ -57,45 +36,60 @@ def check_budget(budget) -> Optional[int]:
     return budget
 
 
-def get_budget(txn, db) -> Optional[int]:
-    raw = txn.get(BUDGET, db=db[b"info"])
-    return _u64(raw) if raw is not None else None
+def get_budget(txn, db: Tables) -> Optional[int]:
+    raw = txn.get(BUDGET_KEY, db=db.info)
+    return u64_or(raw) if raw is not None else None
 
 
-def usage(txn, db) -> int:
-    return _u64(txn.get(USAGE, db=db[b"info"]))
+def usage(txn, db: Tables) -> int:
+    return u64_or(txn.get(USAGE_KEY, db=db.info))
 
 
-def _set_usage(txn, db, n: int) -> None:
-    txn.put(USAGE, _U64.pack(max(0, n)), db=db[b"info"])
+def _set_usage(txn, db: Tables, n: int) -> None:
+    txn.put(USAGE_KEY, U64.pack(max(0, n)), db=db.info)
 
 
-def size_of(txn, db, ekey: bytes) -> int:
-    return _u64(txn.get(ekey, db=db[b"sizes"]))
+def size_of(txn, db: Tables, ekey: bytes) -> int:
+    return u64_or(txn.get(ekey, db=db.sizes))
 
 
-def is_pinned(txn, db, ekey: bytes) -> bool:
-    return txn.get(ekey, db=db[b"pins"]) is not None
+def is_pinned(txn, db: Tables, ekey: bytes) -> bool:
+    return txn.get(ekey, db=db.pins) is not None
 
 
-def pinned_bytes(txn, db, but: bytes = b"") -> int:
+def pinned_bytes(txn, db: Tables, but: bytes = b"") -> int:
     total = 0
-    for k in txn.cursor(db=db[b"pins"]).iternext(keys=True, values=False):
+    for k in txn.cursor(db=db.pins).iternext(keys=True, values=False):
         k = bytes(k)
         if k != but:
             total += size_of(txn, db, k)
     return total
 
 
-def forget(txn, db, ekey: bytes) -> None:
+def forget(txn, db: Tables, ekey: bytes) -> None:
     """Drop an entry's size from the accounting (it is being unlinked)."""
-    raw = txn.get(ekey, db=db[b"sizes"])
+    raw = txn.get(ekey, db=db.sizes)
     if raw is not None:
-        _set_usage(txn, db, usage(txn, db) - _u64(raw))
-        txn.delete(ekey, db=db[b"sizes"])
+        _set_usage(txn, db, usage(txn, db) - u64_or(raw))
+        txn.delete(ekey, db=db.sizes)
 
 
-def admit(txn, db, ekey: bytes, size: int, unlink: Unlink, where: str) -> List[bytes]:
+def set_budget(txn, db: Tables, budget: Optional[int]) -> None:
+    """Remember ``budget`` (None: no budget) in the store."""
+    if budget is None:
+        txn.delete(BUDGET_KEY, db=db.info)
+    else:
+        txn.put(BUDGET_KEY, U64.pack(budget), db=db.info)
+
+
+def account(txn, db: Tables, ekey: bytes, size: int) -> None:
+    """Count an entry of ``size`` bytes (replacing what it counted before)."""
+    forget(txn, db, ekey)
+    txn.put(ekey, U64.pack(size), db=db.sizes)
+    _set_usage(txn, db, usage(txn, db) + size)
+
+
+def admit(txn, db: Tables, ekey: bytes, size: int, unlink: Unlink, where: str) -> List[bytes]:
     """Account a new entry and evict LRU entries until usage fits the budget.
 
     Raises:
@@ -107,28 +101,26 @@ def admit(txn, db, ekey: bytes, size: int, unlink: Unlink, where: str) -> List[b
             f"{where}: an entry of {size} bytes cannot fit the store's budget of {budget} bytes; "
             "raise it with `promptstore gc --budget BYTES` or store a shorter prompt"
         )
-    forget(txn, db, ekey)
-    txn.put(ekey, _U64.pack(size), db=db[b"sizes"])
-    _set_usage(txn, db, usage(txn, db) + size)
+    account(txn, db, ekey, size)
     if budget is None:
         return []
     return evict(txn, db, budget, {ekey}, unlink)
 
 
-def plan(txn, db, budget: int, keep: Set[bytes]) -> Tuple[List[Tuple[bytes, int]], int]:
+def plan(txn, db: Tables, budget: int, keep: Set[bytes]) -> Tuple[List[Tuple[bytes, int]], int]:
     """Entries to evict to reach ``budget``, least recently used first, and
     the usage after evicting them. Pinned entries and ``keep`` are spared."""
     now = usage(txn, db)
     if now <= budget:
         return [], now
     order = []
-    used = db[b"used"]
-    for k, raw in txn.cursor(db=db[b"sizes"]):
+    used = db.used
+    for k, raw in txn.cursor(db=db.sizes):
         k = bytes(k)
         if k in keep or is_pinned(txn, db, k):
             continue
         ts = txn.get(k, db=used)
-        order.append((_F64.unpack(bytes(ts))[0] if ts is not None and len(ts) == 8 else 0.0, k, _u64(raw)))
+        order.append((f64_or(ts, 0.0), k, u64_or(raw)))
     order.sort()
     victims = []
     for _, k, size in order:
@@ -139,32 +131,32 @@ def plan(txn, db, budget: int, keep: Set[bytes]) -> Tuple[List[Tuple[bytes, int]
     return victims, now
 
 
-def evict(txn, db, budget: int, keep: Set[bytes], unlink: Unlink) -> List[bytes]:
+def evict(txn, db: Tables, budget: int, keep: Set[bytes], unlink: Unlink) -> List[bytes]:
     victims, _ = plan(txn, db, budget, keep)
-    entries = db[b"entries"]
+    entries = db.entries
     for k, _ in victims:
         unlink(txn, k, txn.get(k, db=entries))
     return [k for k, _ in victims]
 
 
-def recount(txn, db, manifest_size: Callable[[bytes, bytes], Optional[int]]) -> int:
+def recount(txn, db: Tables, manifest_size: Callable[[bytes, bytes], Optional[int]]) -> int:
     """Rebuild ``sizes`` and ``usage`` from the entries table; drop stale pins.
 
     ``manifest_size(ekey, raw)`` gives an entry's size from its manifest, or
     None when the manifest is unreadable (counted by its raw length then).
     """
     live: Dict[bytes, int] = {}
-    sizes = db[b"sizes"]
-    for k, raw in txn.cursor(db=db[b"entries"]):
+    sizes = db.sizes
+    for k, raw in txn.cursor(db=db.entries):
         k = bytes(k)
         have = txn.get(k, db=sizes)
         if have is not None:
-            live[k] = _u64(have)
+            live[k] = u64_or(have)
         else:
             n = manifest_size(k, bytes(raw))
             live[k] = n if n is not None else len(raw)
-            txn.put(k, _U64.pack(live[k]), db=sizes)
-    for table in (b"sizes", b"pins"):
+            txn.put(k, U64.pack(live[k]), db=sizes)
+    for table in (SIZES, PINS):
         stale = [bytes(k) for k in txn.cursor(db=db[table]).iternext(keys=True, values=False) if bytes(k) not in live]
         for k in stale:
             txn.delete(k, db=db[table])

@@ -1,7 +1,7 @@
 """The LMDB environment: opening, transactions, map growth, error translation,
 and the generation switch that makes compaction safe across processes.
 
-Facts this module encodes (measured, see DESIGN.md):
+Facts this module encodes (each reproduced when it was written; tests cover them):
 * ``map_size`` is only address space: it starts large; on ``MapFullError``
   the map doubles and the write is retried; other processes then see
   ``MapResizedError`` on their next transaction and adopt the new size with
@@ -40,13 +40,14 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
 import lmdb
 
 from promptstore.format import _pages
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
-from promptstore.errors import StoreError, StoreFull, StoreUnavailable
+from promptstore.store._schema import DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, TABLES, U64, Tables, u64_or
+from promptstore.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedVersion
 
 log = logging.getLogger("promptstore")
 
@@ -54,8 +55,6 @@ T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; grows on demand
 MAX_MAP_SIZE = 1 << 46
-DBS = (b"entries", b"chunks", b"nodes", b"ends", b"segs", b"used", b"ids", b"info", b"pins", b"sizes")
-_DUPSORT = {b"ends", b"segs"}
 CURRENT = "CURRENT"
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
 
@@ -87,7 +86,7 @@ def _signature(path: Path):
 class _Gen:
     """One open generation: its lmdb environment, tables and live transactions."""
 
-    def __init__(self, env: lmdb.Environment, db: Dict[bytes, object], name: str, where: Path):
+    def __init__(self, env: lmdb.Environment, db: Dict[bytes, Any], name: str, where: Path):
         self.env, self.db, self.name, self.dir = env, db, name, where
         self.active = 0
         self._data: Optional[_pages.DataFile] = None
@@ -109,8 +108,8 @@ class _Gen:
 class Env:
     """One open LMDB environment with the promptstore tables.
 
-    ``env`` and ``db`` always belong to the live generation; ``db`` is one dict
-    updated in place, so references to it stay valid across a switch.
+    ``env`` and ``db`` always belong to the live generation; ``db`` is one
+    :class:`Tables` updated in place, so references to it stay valid across a switch.
     """
 
     def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False):
@@ -118,7 +117,7 @@ class Env:
         self.pid = os.getpid()
         self.readonly = readonly
         self.map_size = map_size
-        self.db: Dict[bytes, object] = {}
+        self.db = Tables()
         self._lock = threading.Condition()
         self._pending = threading.local()  # callbacks to run once this thread's write commits
         self._gate = Gate(path, self._lock, lambda: self._gen.close())  # operations in flight; close()
@@ -129,9 +128,29 @@ class Env:
                 raise StoreUnavailable(f"{path}: cannot create the store directory ({err}); check the path and permissions") from err
         self._gen = self._open_live()
         self.env = self._gen.env
-        self.db.update(self._gen.db)
+        self.db.replace(self._gen.db)
 
     # -- opening -------------------------------------------------------------
+
+    def check_format(self) -> None:
+        """Refuse a store whose table layout is newer than this promptstore's
+        (or whose format record is damaged); record it in a new store.
+
+        Raises:
+            UnsupportedVersion, CorruptEntry: the files are closed first.
+        """
+        with self.read() as txn:
+            raw = txn.get(FORMAT_KEY, db=self.db.info)
+        if raw is None:
+            if not self.readonly:
+                self.write(lambda t: t.put(FORMAT_KEY, U64.pack(STORE_FORMAT), db=self.db.info))
+            return
+        fmt = u64_or(raw, -1)
+        if fmt != STORE_FORMAT:
+            self.close()
+            if fmt > STORE_FORMAT:
+                raise UnsupportedVersion(f"{self.path}: store format {fmt} is newer than this promptstore ({STORE_FORMAT}); upgrade")
+            raise CorruptEntry(f"{self.path}: store format record is damaged")
 
     def _open_live(self) -> _Gen:
         for _ in range(20):
@@ -154,7 +173,7 @@ class Env:
             env = lmdb.open(
                 str(where),
                 map_size=self.map_size,
-                max_dbs=len(DBS) + 1,
+                max_dbs=len(TABLES) + 1,
                 max_readers=1024,
                 readonly=self.readonly,
                 create=not self.readonly and name == ".",
@@ -172,17 +191,17 @@ class Env:
             if self.readonly:
                 # py-lmdb ends a read transaction by aborting it, which would leave
                 # handles opened in it invalid: let open_db run its own transaction.
-                for dbname in DBS:
+                for dbname in TABLES:
                     try:
-                        db[dbname] = env.open_db(dbname, create=False, dupsort=dbname in _DUPSORT)
+                        db[dbname] = env.open_db(dbname, create=False, dupsort=dbname in DUPSORT)
                     except lmdb.NotFoundError:
-                        if dbname in (b"pins", b"sizes"):  # a store older than these tables
+                        if dbname in OPTIONAL:  # a store older than these tables
                             continue
                         raise
             else:
                 with env.begin(write=True) as txn:
-                    for dbname in DBS:
-                        db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in _DUPSORT)
+                    for dbname in TABLES:
+                        db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in DUPSORT)
         except lmdb.Error as err:
             env.close()
             raise translate(err, where, "open") from err
@@ -238,8 +257,7 @@ class Env:
                         self._gen.close()
                         self._gen = new
                         self.env = new.env
-                        self.db.clear()
-                        self.db.update(self._gen.db)
+                        self.db.replace(self._gen.db)
             self._gen.active += 1
             return self._gen
 
@@ -251,7 +269,9 @@ class Env:
     def _begin(self, gen: _Gen, write: bool, buffers: bool) -> lmdb.Transaction:
         for _ in range(3):
             try:
-                return gen.env.begin(write=write, buffers=buffers)
+                if buffers:
+                    return gen.env.begin(write=write, buffers=True)
+                return gen.env.begin(write=write)
             except lmdb.MapResizedError:
                 gen.env.set_mapsize(0)  # another process grew the map: adopt its size
             except lmdb.Error as err:

@@ -22,17 +22,18 @@ of entries. Hashes only address; every candidate is checked token by token.
 
 from __future__ import annotations
 
-import struct
 from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
+from promptstore.format._entry import Manifest
 from promptstore.store import _keys
+from promptstore.store._schema import ENDS, NODES, SEGS, U32, U64, Tables, end_value, node_key, parse_end
 
 BLOCK = 64
-_COUNT = struct.Struct(">I")
+_COUNT = U32
 
-ManifestOf = Callable[[bytes], Optional[object]]  # entry key -> Manifest or None (damaged/missing)
+ManifestOf = Callable[[bytes], Optional[Manifest]]  # entry key -> Manifest or None (damaged/missing)
 
 
 def _seg(tokens: np.ndarray, k: int) -> bytes:
@@ -46,45 +47,45 @@ def _count(raw) -> int:
     return _COUNT.unpack(raw)[0] if len(raw) == 4 else 1  # damaged: keep the node, it only guides
 
 
-def add(txn, dbs, mid: bytes, tokens: np.ndarray, hashes: np.ndarray, ekey: bytes, trimmable: bool) -> None:
+def add(txn, dbs: Tables, mid: bytes, tokens: np.ndarray, hashes: np.ndarray, ekey: bytes, trimmable: bool) -> None:
     """Index an entry of ``tokens`` (``hashes = prefix_hashes(tokens)``)."""
     n = len(tokens)
     last = n // BLOCK
     for k in range(last + 1):
-        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
-        txn.put(nk, _COUNT.pack(_count(txn.get(nk, db=dbs[b"nodes"])) + 1), db=dbs[b"nodes"])
+        nk = node_key(mid, hashes[k * BLOCK], k)
+        txn.put(nk, _COUNT.pack(_count(txn.get(nk, db=dbs.nodes)) + 1), db=dbs.nodes)
         if trimmable:
-            txn.put(nk + _seg(tokens, k), ekey, db=dbs[b"segs"], dupdata=True)
-    nk = _keys.node_key(mid, hashes[last * BLOCK], last)
-    txn.put(nk, _keys.end_value(n, hashes[n], ekey), db=dbs[b"ends"], dupdata=True)
+            txn.put(nk + _seg(tokens, k), ekey, db=dbs.segs, dupdata=True)
+    nk = node_key(mid, hashes[last * BLOCK], last)
+    txn.put(nk, end_value(n, hashes[n], ekey), db=dbs.ends, dupdata=True)
 
 
-def remove(txn, dbs, mid: bytes, tokens: np.ndarray, hashes: np.ndarray, ekey: bytes) -> None:
+def remove(txn, dbs: Tables, mid: bytes, tokens: np.ndarray, hashes: np.ndarray, ekey: bytes) -> None:
     """Undo :func:`add` for one entry."""
     n = len(tokens)
     last = n // BLOCK
     for k in range(last + 1):
-        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
-        count = _count(txn.get(nk, db=dbs[b"nodes"])) - 1
+        nk = node_key(mid, hashes[k * BLOCK], k)
+        count = _count(txn.get(nk, db=dbs.nodes)) - 1
         if count <= 0:
-            txn.delete(nk, db=dbs[b"nodes"])
+            txn.delete(nk, db=dbs.nodes)
         else:
-            txn.put(nk, _COUNT.pack(count), db=dbs[b"nodes"])
-        txn.delete(nk + _seg(tokens, k), ekey, db=dbs[b"segs"])
-    nk = _keys.node_key(mid, hashes[last * BLOCK], last)
-    txn.delete(nk, _keys.end_value(n, hashes[n], ekey), db=dbs[b"ends"])
+            txn.put(nk, _COUNT.pack(count), db=dbs.nodes)
+        txn.delete(nk + _seg(tokens, k), ekey, db=dbs.segs)
+    nk = node_key(mid, hashes[last * BLOCK], last)
+    txn.delete(nk, end_value(n, hashes[n], ekey), db=dbs.ends)
 
 
 def clear(txn, dbs) -> None:
-    for name in (b"nodes", b"ends", b"segs"):
+    for name in (NODES, ENDS, SEGS):
         txn.drop(dbs[name], delete=False)
 
 
-def _deepest(txn, dbs, mid: bytes, hashes: np.ndarray, L: int) -> int:
+def _deepest(txn, dbs: Tables, mid: bytes, hashes: np.ndarray, L: int) -> int:
     """The deepest block k whose node exists for the query, or -1."""
 
     def has(k: int) -> bool:
-        return txn.get(_keys.node_key(mid, hashes[k * BLOCK], k), db=dbs[b"nodes"]) is not None
+        return txn.get(node_key(mid, hashes[k * BLOCK], k), db=dbs.nodes) is not None
 
     if not has(0):
         return -1
@@ -98,7 +99,7 @@ def _deepest(txn, dbs, mid: bytes, hashes: np.ndarray, L: int) -> int:
     return lo
 
 
-def exact_prefixes(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Iterator[Tuple[int, bytes, object]]:
+def exact_prefixes(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Iterator[Tuple[int, bytes, Manifest]]:
     """Stored entries that are exact prefixes of ``toks``, longest first.
 
     Per block, the ends stored under the query's node are either walked (few
@@ -107,9 +108,9 @@ def exact_prefixes(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, d
     entries share the prefix.
     """
     L = len(toks)
-    cur = txn.cursor(db=dbs[b"ends"])
+    cur = txn.cursor(db=dbs.ends)
     for k in range(deepest, -1, -1):
-        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
+        nk = node_key(mid, hashes[k * BLOCK], k)
         if not cur.set_key(nk):
             continue
         top = min(L, (k + 1) * BLOCK - 1)
@@ -125,9 +126,9 @@ def exact_prefixes(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, d
 
 def _walk_ends(cur, nk: bytes, hashes: np.ndarray, L: int) -> Iterator[Tuple[int, bytes]]:
     """Every end under ``nk`` whose length and prefix hash fit the query, longest first."""
-    more = cur.prev_dup() if cur.set_range_dup(nk, _keys.u32(L + 1)) else cur.last_dup()
+    more = cur.prev_dup() if cur.set_range_dup(nk, U32.pack(L + 1)) else cur.last_dup()
     while more:
-        n, h, ekey = _keys.parse_end(bytes(cur.value()))
+        n, h, ekey = parse_end(bytes(cur.value()))
         if n <= L and h == int(hashes[n]):
             yield n, ekey
         more = cur.prev_dup()
@@ -136,7 +137,7 @@ def _walk_ends(cur, nk: bytes, hashes: np.ndarray, L: int) -> Iterator[Tuple[int
 def _probe_ends(cur, nk: bytes, hashes: np.ndarray, lo: int, hi: int) -> Iterator[Tuple[int, bytes]]:
     """The ends under ``nk`` at exactly ``(n, hashes[n])`` for n from ``hi`` down to ``lo``."""
     for n in range(hi, lo - 1, -1):
-        probe = _keys.u32(n) + _keys.u64(hashes[n])
+        probe = U32.pack(n) + U64.pack(int(hashes[n]))
         ok = cur.set_range_dup(nk, probe)
         while ok:
             value = bytes(cur.value())
@@ -146,16 +147,16 @@ def _probe_ends(cur, nk: bytes, hashes: np.ndarray, lo: int, hi: int) -> Iterato
             ok = cur.next_dup()
 
 
-def best_trim(txn, dbs, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Optional[Tuple[int, bytes, object]]:
+def best_trim(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Optional[Tuple[int, bytes, Manifest]]:
     """The trimmable entry sharing the longest prefix with ``toks``: ``(common, key, manifest)``.
 
     From the deepest node down, the first node that holds trimmable segments
     has the answer among the two neighbours of the query's own segment: every
     trimmable entry through a deeper node would have been found there.
     """
-    cur = txn.cursor(db=dbs[b"segs"])
+    cur = txn.cursor(db=dbs.segs)
     for k in range(deepest, -1, -1):
-        nk = _keys.node_key(mid, hashes[k * BLOCK], k)
+        nk = node_key(mid, hashes[k * BLOCK], k)
         found = False
         best = None
         for ekey in _neighbours(cur, nk, nk + _seg(toks, k)):
@@ -184,7 +185,7 @@ def _neighbours(cur, nk: bytes, query: bytes) -> Iterator[bytes]:
         yield bytes(cur.value())
 
 
-def candidates(txn, dbs, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[bytes, int, object]]:
+def candidates(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[bytes, int, Manifest]]:
     """Usable entries best first: ``(entry key, tokens usable, manifest)``.
 
     The longest exact prefix, unless a trimmable entry shares more with the

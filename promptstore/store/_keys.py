@@ -1,8 +1,8 @@
 """Keys and the prefix index.
 
-* Entry key (36 bytes): model id (16, blake2b of the identity string) +
-  blake2b-128 of the token bytes + token count (u32 BE). Exact, collision-free
-  in practice, and the tokens are verified on every read anyway.
+* Entry key (layout in ``_schema``): model id (blake2b-128 of the identity
+  string) + blake2b-128 of the token bytes + token count. Exact,
+  collision-free in practice, and the tokens are verified on every read anyway.
 * Prefix hashes: a polynomial rolling hash of every prefix of a token list,
   computed in one vectorised pass (wrapping uint64 arithmetic). They address
   the index only; every candidate they lead to is checked token by token.
@@ -12,24 +12,25 @@ The prefix index built on these lives in ``_index``.
 from __future__ import annotations
 
 import hashlib
-import struct
+from typing import Sequence, Union
 
 import numpy as np
 
 from promptstore.errors import InvalidInput
+from promptstore.store._schema import MODEL_ID, U32, U64
 
 _B = 0x9E3779B97F4A7C15 | 1
 _B_INV = pow(_B, -1, 1 << 64)
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
 MAX_TOKEN = (1 << 32) - 1
+
+Tokens = Union[Sequence[int], np.ndarray]  # token ids: a list, or a 1-D integer array
 
 # (B**i, B**-i) for i < len: replaced whole, never changed in place, so a
 # thread that took the pair has two tables of the same length.
 _tables = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
 
 
-def as_tokens(tokens) -> np.ndarray:
+def as_tokens(tokens: Tokens) -> np.ndarray:
     """Validate a token list and return it as a 1-D uint32 array.
 
     Raises:
@@ -56,16 +57,16 @@ def model_id(model: str) -> bytes:
     """
     if not isinstance(model, str) or not model:
         raise InvalidInput("model identity must be a non-empty string (e.g. promptstore.fingerprint(dir))")
-    return hashlib.blake2b(model.encode(), digest_size=16).digest()
+    return hashlib.blake2b(model.encode(), digest_size=MODEL_ID).digest()
 
 
 def entry_key(mid: bytes, tokens: np.ndarray) -> bytes:
     digest = hashlib.blake2b(tokens.astype("<u4", copy=False).tobytes(), digest_size=16).digest()
-    return mid + digest + _U32.pack(len(tokens))
+    return mid + digest + U32.pack(len(tokens))
 
 
 def key_length(ekey: bytes) -> int:
-    return _U32.unpack(ekey[32:36])[0]
+    return U32.unpack(ekey[32:36])[0]
 
 
 def entry_id(ekey: bytes) -> str:
@@ -107,22 +108,9 @@ def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
     return out
 
 
-def node_key(mid: bytes, h: int, k: int) -> bytes:
-    return mid + _U64.pack(int(h)) + _U32.pack(k)
-
-
-def end_value(n: int, h: int, ekey: bytes) -> bytes:
-    return _U32.pack(n) + _U64.pack(int(h)) + ekey
-
-
-def parse_end(value: bytes):
-    """``(n, h, ekey)`` of an end record."""
-    return _U32.unpack(value[:4])[0], _U64.unpack(value[4:12])[0], bytes(value[12:])
-
-
 def u32(n: int) -> bytes:
-    return _U32.pack(n)
+    return U32.pack(n)
 
 
 def u64(n: int) -> bytes:
-    return _U64.pack(int(n))
+    return U64.pack(int(n))

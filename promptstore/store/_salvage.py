@@ -13,27 +13,21 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import lmdb
 
+from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 from promptstore.format import _blobs, _entry
 from promptstore.store import _budget, _keys
-from promptstore.store._env import DBS, live_dir, pages_needed
-from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
-
-
-@dataclass(frozen=True)
-class SalvageReport:
-    """Outcome of :func:`salvage`."""
-
-    src: str
-    dst: str
-    copied: Tuple[str, ...]  # entry ids copied intact
-    skipped: Tuple[Tuple[str, str], ...]  # (entry id, why) left behind
-    unreadable_tables: Tuple[str, ...]  # tables whose walk failed part way
+from promptstore.store._env import Env, live_dir, pages_needed
+from promptstore.store._results import SalvageReport
+from promptstore.store._schema import (
+    CHUNKS, DUPSORT, ENTRIES, ENTRY_KEY, IDS, PINS, SIZES, TABLES, USED, Tables, chunk_key, owner_of_chunk,
+)
+from promptstore.store._usage import Usage
+from promptstore.store._write import EntryWriter
 
 
 def _open_source(src: Path, scratch: Path):
@@ -58,28 +52,28 @@ def _open_source(src: Path, scratch: Path):
             f"{where}/data.mdb cannot be opened ({err}); its header pages are damaged beyond what salvage "
             "can read: restore the directory from a backup or remove it"
         ) from err
-    env_dbs = {}
-    for name in DBS:
+    handles: Dict[bytes, Any] = {}
+    for name in TABLES:
         try:
-            env_dbs[name] = env.open_db(name, create=False, dupsort=name == b"ends")
+            handles[name] = env.open_db(name, create=False, dupsort=name in DUPSORT)
         except lmdb.Error:
             pass
-    dbs = env_dbs
-    if b"entries" not in dbs or b"chunks" not in dbs:
+    dbs = Tables(handles)
+    if ENTRIES not in dbs or CHUNKS not in dbs:
         env.close()
         raise StoreUnavailable(f"{where}/data.mdb: its table directory is damaged; nothing can be salvaged")
     return env, dbs
 
 
 def _open_raw(where: Path):
-    return lmdb.open(str(where), readonly=True, lock=False, max_dbs=len(DBS) + 1, subdir=True, create=False)
+    return lmdb.open(str(where), readonly=True, lock=False, max_dbs=len(TABLES) + 1, subdir=True, create=False)
 
 
 def _candidates(env, dbs) -> Tuple[List[bytes], List[str]]:
     found: Set[bytes] = set()
     broken: List[str] = []
-    walks = {b"entries": lambda k, v: k, b"used": lambda k, v: k, b"sizes": lambda k, v: k,
-             b"pins": lambda k, v: k, b"ids": lambda k, v: v, b"chunks": lambda k, v: k[:36]}
+    walks = {ENTRIES: lambda k, v: k, USED: lambda k, v: k, SIZES: lambda k, v: k,
+             PINS: lambda k, v: k, IDS: lambda k, v: v, CHUNKS: lambda k, v: owner_of_chunk(k)}
     for name, pick in walks.items():
         if name not in dbs:
             continue
@@ -87,7 +81,7 @@ def _candidates(env, dbs) -> Tuple[List[bytes], List[str]]:
             with env.begin() as txn:
                 for k, v in txn.cursor(db=dbs[name]):
                     key = bytes(pick(bytes(k), bytes(v)))
-                    if len(key) == 36:
+                    if len(key) == ENTRY_KEY:
                         found.add(key)
         except Exception:  # a damaged page ends this walk; the other tables may still list the rest
             broken.append(name.decode())
@@ -98,7 +92,7 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
     """``(raw manifest, chunks, last used, pinned)`` of an intact entry."""
     where = f"{src} entry {_keys.entry_id(ekey)}"
     with env.begin(buffers=True) as txn:
-        raw = txn.get(ekey, db=dbs[b"entries"])
+        raw = txn.get(ekey, db=dbs.entries)
         if raw is None:
             raise PromptStoreError("no manifest (never committed, or its page is lost)")
         raw = bytes(raw)
@@ -109,14 +103,14 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
             arrays = _blobs.Blobs(src).read(man, where)
             chunks = []
         else:
-            chunks = [txn.get(ekey + _keys.u32(i), db=dbs[b"chunks"]) for i in range(man.chunks)]
+            chunks = [txn.get(chunk_key(ekey, i), db=dbs.chunks) for i in range(man.chunks)]
             arrays = _entry.read_arrays(man, lambda i: chunks[i], where)
         _entry.decode_layers(man, arrays, where)
         if not man.intact:
             raise PromptStoreError("manifest checksum mismatch")
         chunks = [bytes(c) for c in chunks]
-        used = txn.get(ekey, db=dbs[b"used"]) if b"used" in dbs else None
-        pinned = b"pins" in dbs and txn.get(ekey, db=dbs[b"pins"]) is not None
+        used = txn.get(ekey, db=dbs.used) if USED in dbs else None
+        pinned = PINS in dbs and txn.get(ekey, db=dbs.pins) is not None
     return raw, man, chunks, (bytes(used) if used is not None else None), pinned
 
 
@@ -125,14 +119,14 @@ def salvage(src, dst) -> SalvageReport:
 
     The source is only read. Damaged entries and anything unreadable are
     skipped and listed. The budget of the source, when readable, is set on
-    the new store without evicting anything.
+    the new store without evicting anything. Entries are written through the
+    store's one write path (``_write.EntryWriter.add``), keeping their bytes,
+    times and pins.
 
     Raises:
         InvalidInput: ``dst`` exists and is not empty.
         StoreUnavailable: the source cannot be opened at all (the message says why).
     """
-    from promptstore.store import PromptStore
-
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if dst.exists() and any(dst.iterdir()):
         raise InvalidInput(f"{dst} exists and is not empty; salvage writes into a fresh directory")
@@ -149,7 +143,11 @@ def salvage(src, dst) -> SalvageReport:
                 budget = _budget.get_budget(txn, dbs)
         except Exception:
             pass
-        with PromptStore(dst) as out:
+        out = Env(dst)
+        try:
+            out.check_format()
+            blobs, src_blobs = _blobs.Blobs(dst), _blobs.Blobs(src)
+            writer = EntryWriter(dst, out, out.db, blobs, Usage(out.db))
             for ekey in ekeys:
                 eid = _keys.entry_id(ekey)
                 try:
@@ -157,37 +155,23 @@ def salvage(src, dst) -> SalvageReport:
                 except Exception as err:  # lmdb errors on damaged pages included: skip, keep going
                     skipped.append((eid, f"{type(err).__name__}: {err}"))
                     continue
-                out.env.write(lambda txn: _copy_in(out, txn, ekey, raw, man, chunks, used, pinned, src))
+
+                def write(txn, ekey=ekey, raw=raw, man=man, chunks=chunks, used=used, pinned=pinned) -> None:
+                    if man.blob is not None and not blobs.path(man.blob).exists():
+                        blobs.copy_in(src_blobs.path(man.blob), man.blob)  # under the writer lock, as a put
+                    stamp = used if used is not None and len(used) == 8 else None
+                    writer.add(txn, ekey, man.tokens, man.trimmable, raw, chunks, stamp, man.payload + len(raw), pinned, evict=False)
+
+                out.write(write)
                 copied.append(eid)
             if budget is not None:
-                out.env.write(lambda txn: txn.put(_budget.BUDGET, _budget._U64.pack(budget), db=out._db[b"info"]))
+                out.write(lambda txn: _budget.set_budget(txn, out.db, budget))
+        finally:
+            out.close()
     finally:
         env.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return SalvageReport(str(src), str(dst), tuple(copied), tuple(skipped), tuple(broken))
-
-
-def _copy_in(out, txn, ekey, raw, man, chunks, used, pinned, src: Path) -> None:
-    db = out._db
-    if man.blob is not None and not out._blobs.path(man.blob).exists():
-        out._blobs.copy_in(_blobs.Blobs(src).path(man.blob), man.blob)  # under the writer lock, as a put
-    for i, c in enumerate(chunks):
-        txn.put(ekey + _keys.u32(i), c, db=db[b"chunks"])
-    hashes = _keys.prefix_hashes(man.tokens)
-    if hasattr(out, "_index_add"):
-        out._index_add(txn, ekey[:16], hashes, len(man.tokens), ekey, man.trimmable)
-    else:  # the prefix index moved to promptstore.store._index
-        from promptstore.store import _index
-
-        _index.add(txn, db, ekey[:16], man.tokens, hashes, ekey, man.trimmable)
-    if used is not None and len(used) == 8:
-        txn.put(ekey, used, db=db[b"used"])
-    txn.put(_keys.entry_id(ekey).encode(), ekey, db=db[b"ids"])
-    txn.put(ekey, _budget._U64.pack(man.payload + len(raw)), db=db[b"sizes"])
-    txn.put(_budget.USAGE, _budget._U64.pack(_budget.usage(txn, db) + man.payload + len(raw)), db=db[b"info"])
-    if pinned:
-        txn.put(ekey, b"", db=db[b"pins"])
-    txn.put(ekey, raw, db=db[b"entries"])
 
 
 __all__ = ["salvage", "SalvageReport"]

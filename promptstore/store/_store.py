@@ -1,47 +1,44 @@
-"""PromptStore: prompt caches in LMDB, keyed by model identity and exact tokens."""
+"""PromptStore: prompt caches in LMDB, keyed by model identity and exact tokens.
+
+The facade. It validates its arguments and hands the work to collaborators
+that own their state: :class:`~promptstore.store._env.Env` (transactions),
+:class:`~promptstore.store._read.Reader`, :class:`~promptstore.store._write.EntryWriter`
+(the one write path), :class:`~promptstore.store._catalog.Catalog` (ids,
+listing), :class:`~promptstore.store._usage.Usage` (last use, counters),
+:class:`~promptstore.store._capacity.Capacity` (budget, pins, gc) and
+:class:`~promptstore.store._verify.Maintenance` (verify).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
-import threading
-import time
-from collections import Counter
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
-import lmdb
 import numpy as np
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from promptstore.format import _blobs, _entry, _fill, _pages
-from promptstore.store import _budget, _index, _keys
-from promptstore.store._capacity import CapacityMixin
-from promptstore.store._inspect import InspectMixin, VerifyReport
+from promptstore import rows
+from promptstore.codecs import codec_for_layer, encode_layer, is_trimmable, storage_kind, trim_cache
+from promptstore.errors import CorruptEntry, CoverageMismatch, EntryNotFound, InvalidInput, ModelMismatch, PromptStoreError
+from promptstore.format import _blobs, _entry
+from promptstore.identity import model_name_of
+from promptstore.store import _index, _keys
+from promptstore.store._capacity import Capacity
+from promptstore.store._catalog import Catalog
 from promptstore.store._env import DEFAULT_MAP_SIZE, Env
 from promptstore.store._gate import CLOSE_TIMEOUT, closed_error
-from promptstore.codecs import codec_for_layer, encode_layer, storage_kind
-from promptstore.errors import (
-    CorruptEntry,
-    CoverageMismatch,
-    EntryNotFound,
-    InvalidInput,
-    ModelMismatch,
-    PromptStoreError,
-    UnsupportedVersion,
-)
-from promptstore.identity import model_name_of
+from promptstore.store._read import Reader
+from promptstore.store._results import EntryInfo, GcReport, Hit, SalvageReport, VerifyReport, utc
+from promptstore.store._salvage import salvage as _salvage
+from promptstore.store._schema import Tables
+from promptstore.store._usage import Usage
+from promptstore.store._verify import Maintenance
+from promptstore.store._write import EntryWriter
 
 __all__ = ["PromptStore", "EntryInfo", "Hit", "VerifyReport", "default_path"]
 
 log = logging.getLogger("promptstore")
-
-STORE_FORMAT = 1
-_F64 = struct.Struct(">d")
-_U64 = struct.Struct(">Q")
 
 
 def default_path() -> Path:
@@ -50,40 +47,7 @@ def default_path() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "promptstore"
 
 
-def _utc(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, tz=timezone.utc)
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """What the store knows of one entry, without its arrays."""
-
-    id: str
-    model: str
-    model_name: str
-    n_tokens: int
-    kinds: Tuple[str, ...]
-    nbytes: int
-    created: datetime
-    last_used: datetime
-    trimmable: bool
-    meta: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A lookup result: a ready cache covering ``matched`` tokens of the query.
-
-    ``trimmed`` is how many tokens were cut from a longer stored entry.
-    """
-
-    cache: List[Any]
-    matched: int
-    info: EntryInfo
-    trimmed: int = 0
-
-
-class PromptStore(CapacityMixin, InspectMixin):
+class PromptStore:
     """Prompt caches in an LMDB environment.
 
     Args:
@@ -100,31 +64,21 @@ class PromptStore(CapacityMixin, InspectMixin):
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False, budget: Optional[int] = None):
         self.path = Path(path).expanduser() if path is not None else default_path()
-        self._env = Env(self.path, map_size=map_size, readonly=readonly)
-        self._db = self._env.db
+        env = Env(self.path, map_size=map_size, readonly=readonly)
+        self._env: Optional[Env] = env
+        env.check_format()
+        tables = env.db
         self._blobs = _blobs.Blobs(self.path)
-        self._lock = threading.Lock()
-        self._touched: Dict[bytes, float] = {}
-        self._counts: Counter = Counter()
-        self._check_format(readonly)
+        self._usage = Usage(tables)
+        self._reader = Reader(self.path, env, tables, self._blobs)
+        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._usage)
+        self._catalog = Catalog(self.path, tables, self._usage)
+        self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._reader, self._writer)
+        self._capacity = Capacity(self.path, env, tables, self._usage, self._catalog, self._writer, self._maintenance)
         if budget is not None:
             self.set_budget(budget)
 
     # -- lifecycle -----------------------------------------------------------
-
-    def _check_format(self, readonly: bool) -> None:
-        with self._env.read() as txn:
-            raw = txn.get(b"format", db=self._db[b"info"])
-        if raw is None:
-            if not readonly:
-                self._env.write(lambda t: t.put(b"format", _U64.pack(STORE_FORMAT), db=self._db[b"info"]))
-            return
-        fmt = _U64.unpack(raw)[0] if len(raw) == 8 else -1
-        if fmt != STORE_FORMAT:
-            self._env.close()
-            if fmt > STORE_FORMAT:
-                raise UnsupportedVersion(f"{self.path}: store format {fmt} is newer than this promptstore ({STORE_FORMAT}); upgrade")
-            raise CorruptEntry(f"{self.path}: store format record is damaged")
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush recorded usage and close the store; safe while other threads use it.
@@ -152,7 +106,7 @@ class PromptStore(CapacityMixin, InspectMixin):
     def __enter__(self) -> "PromptStore":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __del__(self) -> None:  # best effort; explicit close() is the contract
@@ -171,40 +125,22 @@ class PromptStore(CapacityMixin, InspectMixin):
             raise closed_error(self.path)
         return self._env
 
-    # -- usage bookkeeping (kept off the read path) ----------------------------
-
-    def _touch(self, ekey: bytes) -> None:
-        with self._lock:
-            self._touched[ekey] = time.time()
-
-    def _count(self, what: str) -> None:
-        with self._lock:
-            self._counts[what] += 1
-
-    def _flush_in(self, txn: lmdb.Transaction) -> None:
-        with self._lock:
-            touched, self._touched = self._touched, {}
-            counts, self._counts = self._counts, Counter()
-        for ekey, ts in touched.items():
-            if txn.get(ekey, db=self._db[b"entries"]) is not None:
-                txn.put(ekey, _F64.pack(ts), db=self._db[b"used"])
-        for what, n in counts.items():
-            key = b"stat:" + what.encode()
-            raw = txn.get(key, db=self._db[b"info"])
-            old = _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
-            txn.put(key, _U64.pack(old + n), db=self._db[b"info"])
+    @property
+    def _db(self) -> Tables:
+        """The open tables (for tools and tests that read records raw)."""
+        return self.env.db
 
     def flush(self) -> None:
         """Write recorded last-use times and hit counters (done on every put and
         on close; a store opened read-only keeps them to itself)."""
         if self.env.readonly:
             return
-        if self._touched or self._counts:
-            self.env.write(self._flush_in)
+        if self._usage.pending():
+            self.env.write(self._usage.flush_in)
 
     # -- writing -------------------------------------------------------------
 
-    def put(self, model: str, tokens: Sequence[int], cache: Sequence[Any], meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
+    def put(self, model: str, tokens: _keys.Tokens, cache: Sequence[Any], meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
         """Store ``cache`` as the prompt cache of ``tokens`` under ``model``.
 
         Args:
@@ -224,7 +160,7 @@ class PromptStore(CapacityMixin, InspectMixin):
             InvalidInput: bad model id, tokens or meta.
             StoreFull: disk or map full; nothing was written.
         """
-        mid = _keys.model_id(model)
+        _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
         layers = list(cache)
         if not layers:
@@ -240,131 +176,36 @@ class PromptStore(CapacityMixin, InspectMixin):
         if meta is not None and not isinstance(meta, dict):
             raise InvalidInput("meta must be a dict")
         encoded = [encode_layer(layer) for layer in layers]
-        records, views, payload = _entry.prepare(encoded)
-        blob = payload >= _blobs.MIN_PAYLOAD
-        # A blob entry's checksums are computed while its file is written.
-        hashing = _fill.submit(_entry.add_checksums, records, views) if blob else None
-        if not blob:
-            _entry.add_checksums(records, views)
-        trimmable = all(getattr(layer, "is_trimmable", lambda: False)() for layer in layers)
-        ekey = _keys.entry_key(mid, toks)
-        eid = _keys.entry_id(ekey)
-        now = time.time()
-        hashes = _keys.prefix_hashes(toks)
-        written: List[str] = []  # blob files this put wrote (one per attempt)
-
-        def pack(blob_name: Optional[str]) -> bytes:
-            return _entry.pack_manifest(
-                model=model,
-                model_name=model_name_of(model),
-                tokens=toks,
-                layers=records,
-                payload=payload,
-                created=now,
-                trimmable=trimmable,
-                meta=dict(meta or {}),
-                entry_id=eid,
-                blob=blob_name,
-            )
-
-        manifest = pack(None)  # bad meta fails here, before any write (a blob entry's is packed again)
-
-        def write(txn: lmdb.Transaction) -> None:
-            nonlocal manifest
-            old = txn.get(ekey, db=self._db[b"entries"])
-            if old is not None:
-                self._unlink(txn, ekey, old)
-            if blob:
-                # Written under the writer lock (see _blobs); a retried
-                # transaction drops its earlier file and writes a new one.
-                for name in written:
-                    self._blobs.unlink(name)
-                name = _blobs.new_name(eid)
-                written.append(name)
-                self._blobs.write(name, views)
-                hashing.result()
-                manifest = pack(name)
-            else:
-                for i, chunk in enumerate(_entry.iter_chunks(views, payload)):
-                    txn.put(ekey + _keys.u32(i), chunk, db=self._db[b"chunks"])
-            _index.add(txn, self._db, mid, toks, hashes, ekey, trimmable)
-            txn.put(ekey, _F64.pack(now), db=self._db[b"used"])
-            txn.put(eid.encode(), ekey, db=self._db[b"ids"])
-            self._flush_in(txn)
-            # Budget: account this entry and evict LRU ones in this same transaction.
-            _budget.admit(txn, self._db, ekey, payload + len(manifest), self._unlink, str(self.path))
-            # The manifest goes last: an entry is visible whole or not at all.
-            txn.put(ekey, manifest, db=self._db[b"entries"])
-
-        try:
-            self.env.write(write)
-        except BaseException:
-            # An interrupt can land after the commit (a signal is handled at the
-            # next bytecode): the file the committed manifest names stays.
-            for name in written:
-                if not self._names_blob(ekey, name):
-                    self._blobs.unlink(name)
-            raise
+        trimmable = is_trimmable(layers)
+        name = model_name_of(model)
+        done = self._writer.put(model, name, toks, encoded, trimmable, dict(meta or {}))
         return EntryInfo(
-            id=eid,
+            id=done.entry_id,
             model=model,
-            model_name=model_name_of(model),
+            model_name=name,
             n_tokens=n,
-            kinds=tuple(r["kind"] for r in records),
-            nbytes=payload,
-            created=_utc(now),
-            last_used=_utc(now),
+            kinds=tuple(e.kind for e in encoded),
+            nbytes=done.payload,
+            created=utc(done.created),
+            last_used=utc(done.created),
             trimmable=trimmable,
             meta=dict(meta or {}),
         )
 
-    def put_row(self, model: str, tokens: Sequence[int], batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
+    def put_row(self, model: str, tokens: _keys.Tokens, batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
         """Store row ``row`` of a running batch as a serial entry; the batch is untouched.
 
         See :func:`promptstore.rows.put_row` (Args, Returns, Raises): the row is
         extracted compactly, refused with CoverageMismatch unless it covers
         exactly ``tokens``; a row index out of range raises InvalidInput.
         """
-        from promptstore import rows
-
         return rows.put_row(self, model, tokens, batch_cache, row, meta)
 
-    def _names_blob(self, ekey: bytes, name: str) -> bool:
-        """Whether the committed entry at ``ekey`` names blob file ``name``
-        (True when that cannot be read: then the file stays, for gc)."""
-        try:
-            with self.env.read() as txn:
-                man = self._manifest(txn, ekey)
-        except BaseException:
-            return True
-        return man is not None and man.blob == name
-
-    def _unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> None:
-        """Remove an entry's chunks, index records and bookkeeping."""
-        cur = txn.cursor(db=self._db[b"chunks"])
-        if cur.set_range(ekey):
-            while cur.key()[:36] == ekey:
-                if not cur.delete():
-                    break
-        if raw_manifest is not None:
-            try:
-                man = _entry.unpack_manifest(bytes(raw_manifest), _keys.entry_id(ekey))
-                _index.remove(txn, self._db, ekey[:16], man.tokens, _keys.prefix_hashes(man.tokens), ekey)
-            except PromptStoreError:
-                pass  # damaged manifest: its index records become harmless dead ends (its blob, a leftover)
-            else:
-                if man.blob is not None and man.blob.startswith(_keys.entry_id(ekey) + "-"):
-                    blob = man.blob
-                    self.env.after_commit(lambda: self._blobs.unlink(blob))
-        txn.delete(ekey, db=self._db[b"used"])
-        txn.delete(_keys.entry_id(ekey).encode(), db=self._db[b"ids"])
-        _budget.forget(txn, self._db, ekey)
-        txn.delete(ekey, db=self._db[b"entries"])
-
-    def delete(self, model: str, tokens: Sequence[int]) -> bool:
+    def delete(self, model: str, tokens: _keys.Tokens) -> bool:
         """Delete the entry of exactly ``tokens``; True when one existed."""
         ekey = _keys.entry_key(_keys.model_id(model), _keys.as_tokens(tokens))
-        return self._delete_keys([ekey]) == 1
+        self._usage.forget([ekey])
+        return self.env.write(lambda txn: self._writer.drop(txn, ekey))
 
     def remove(self, key: str) -> EntryInfo:
         """Delete an entry by id (or unique id prefix) and return what it was.
@@ -373,119 +214,53 @@ class PromptStore(CapacityMixin, InspectMixin):
             EntryNotFound: no entry, or the prefix is ambiguous.
         """
         def write(txn) -> Tuple[EntryInfo, bytes]:  # resolve and delete in one transaction
-            ekey = self._resolve(txn, key)
-            man = self._manifest(txn, ekey)
+            ekey = self._catalog.resolve(txn, key)
+            man = self._reader.manifest(txn, ekey)
             if man is None:
-                raise EntryNotFound(f"{self.path}: entry {key!r} has vanished")
-            info = self._info(txn, ekey, man)
-            self._unlink(txn, ekey, txn.get(ekey, db=self._db[b"entries"]))
-            txn.delete(ekey, db=self._db[b"pins"])
+                raise self._catalog.vanished(key)
+            info = self._catalog.info(txn, ekey, man)
+            self._writer.drop(txn, ekey)
             return info, ekey
 
         info, ekey = self.env.write(write)
-        with self._lock:
-            self._touched.pop(ekey, None)
+        self._usage.forget([ekey])
         return info
 
-    def _delete_keys(self, ekeys: Sequence[bytes]) -> int:
-        def write(txn) -> int:
-            done = 0
-            for ekey in ekeys:
-                raw = txn.get(ekey, db=self._db[b"entries"])
-                if raw is None:
-                    continue
-                self._unlink(txn, ekey, raw)
-                txn.delete(ekey, db=self._db[b"pins"])
-                done += 1
-            return done
+    def remove_planned(self, plan: Sequence[EntryInfo]) -> Tuple[List[EntryInfo], List[str]]:
+        """Delete exactly the entries of ``plan`` (from :meth:`entries` or
+        :meth:`info`), in one transaction: ``(removed, vanished ids)``.
 
-        with self._lock:
-            for ekey in ekeys:
-                self._touched.pop(ekey, None)
-        return self.env.write(write)
+        An entry deleted or replaced by a newer put since the plan was made is
+        left alone and reported as vanished, so what is deleted is never more
+        than what was planned.
+        """
+        def write(txn) -> Tuple[List[EntryInfo], List[str], List[bytes]]:
+            removed, vanished, keys = [], [], []
+            for planned in plan:
+                try:
+                    ekey = self._catalog.resolve(txn, planned.id)
+                    man = self._reader.manifest(txn, ekey)
+                except (EntryNotFound, PromptStoreError):
+                    man = None
+                if man is None or utc(man.created) != planned.created:
+                    vanished.append(planned.id)
+                    continue
+                removed.append(self._catalog.info(txn, ekey, man))
+                self._writer.drop(txn, ekey)
+                keys.append(ekey)
+            return removed, vanished, keys
+
+        removed, vanished, keys = self.env.write(write)
+        self._usage.forget(keys)
+        return removed, vanished
 
     # -- reading ---------------------------------------------------------------
 
     def _manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
-        raw = txn.get(ekey, db=self._db[b"entries"])
-        if raw is None:
-            return None
-        return _entry.unpack_manifest(bytes(raw), f"{self.path} entry {_keys.entry_id(ekey)}")
+        """The manifest at ``ekey`` (for tools and tests)."""
+        return self._reader.manifest(txn, ekey)
 
-    def _restore(self, txn, ekey: bytes, man: _entry.Manifest, remembered: bool = True) -> List[Any]:
-        """The entry's cache, read and checked inside ``txn``. ``remembered=False``
-        (verify) always goes through LMDB, checking every chunk's presence and length."""
-        where = f"{self.path} entry {man.entry_id}"
-        chunks = self._db[b"chunks"]
-
-        def get_chunk(i: int) -> Any:
-            return txn.get(ekey + _keys.u32(i), db=chunks)
-
-        if man.blob is not None:
-            arrays = self._blobs.read(man, where)
-        elif man.payload < _pages.MIN_PAYLOAD:
-            arrays = _entry.read_arrays(man, get_chunk, where)
-        else:
-            arrays = self._read_large(self.env.data_file(), ekey, man, get_chunk, where, remembered)
-        return _entry.decode_layers(man, arrays, where)
-
-    def _read_large(
-        self, data: _pages.DataFile, ekey: bytes, man: _entry.Manifest, get_chunk, where: str, remembered: bool = True
-    ) -> List[Any]:
-        """A large payload, read with ``pread`` where possible.
-
-        Fetching a chunk through py-lmdb maps all of its pages (it preloads
-        values), only for them to be dropped again. So the file offsets of an
-        entry's chunks are remembered, keyed by the entry and its manifest's
-        creation time and size, and a later get of the same entry reads them
-        directly. Only overflow pages are remembered (every chunk at least a
-        page long): LMDB never moves those while their value stands, whereas
-        a small value lives in a leaf page that any later write may copy. The
-        offsets are stale only if the entry was rewritten since, at the same
-        key, with the same creation time; then the checksums fail and the
-        restore is redone through LMDB, which also reports real damage. A
-        failure on offsets just computed is checked again by copying out of
-        the map, so a wrong offset can never make a healthy entry look
-        damaged.
-        """
-        fd = data.fd if _fill.available() else None
-        key = (ekey, man.created, man.payload, man.chunks)
-        offsets = data.located.get(key) if fd is not None and remembered else None
-        if offsets is not None:
-            try:
-                return _entry.read_file(man, fd, offsets, where)
-            except CorruptEntry:
-                data.forget(key)
-        bufs = _entry.chunk_buffers(man, get_chunk, where, data.release)
-        found = [data.offset(b) for b in bufs]
-        if fd is None or any(o is None for o in found):
-            return _entry.read_mapped(man, bufs, where, data.release)
-        try:
-            arrays = _entry.read_file(man, fd, found, where)  # type: ignore[arg-type]
-        except CorruptEntry:
-            data.refresh()
-            return _entry.read_mapped(man, bufs, where, data.release)
-        if min(len(b) for b in bufs) >= _pages._PAGE:
-            data.remember(key, found)  # type: ignore[arg-type]
-        return arrays
-
-    def _info(self, txn, ekey: bytes, man: _entry.Manifest) -> EntryInfo:
-        raw = txn.get(ekey, db=self._db[b"used"])
-        used = _F64.unpack(bytes(raw))[0] if raw is not None and len(raw) == 8 else man.created
-        return EntryInfo(
-            id=man.entry_id,
-            model=man.model,
-            model_name=man.model_name,
-            n_tokens=len(man.tokens),
-            kinds=man.kinds,
-            nbytes=man.payload,
-            created=_utc(man.created),
-            last_used=_utc(max(used, self._touched.get(ekey, 0.0))),
-            trimmable=man.trimmable,
-            meta=man.meta,
-        )
-
-    def exists(self, model: str, tokens: Sequence[int]) -> bool:
+    def exists(self, model: str, tokens: _keys.Tokens) -> bool:
         """True when an entry of exactly ``tokens`` under ``model`` is stored.
 
         Cheap: reads the manifest only, no arrays, and counts no hit or miss.
@@ -496,12 +271,12 @@ class PromptStore(CapacityMixin, InspectMixin):
         ekey = _keys.entry_key(_keys.model_id(model), toks)
         with self.env.read() as txn:
             try:
-                man = self._manifest(txn, ekey)
+                man = self._reader.manifest(txn, ekey)
             except PromptStoreError:
                 return False
         return man is not None and man.intact and man.model == model and np.array_equal(man.tokens, toks)
 
-    def get(self, model: str, tokens: Sequence[int]) -> Optional[List[Any]]:
+    def get(self, model: str, tokens: _keys.Tokens) -> Optional[List[Any]]:
         """The stored cache of exactly ``tokens``, or None.
 
         Raises:
@@ -509,33 +284,28 @@ class PromptStore(CapacityMixin, InspectMixin):
             UnknownStorageKind, UnsupportedVersion: written by a newer promptstore.
             ModelMismatch: the entry's recorded identity is not ``model``.
         """
-        hit = self._get_exact(model, _keys.as_tokens(tokens))
+        toks = _keys.as_tokens(tokens)
+        hit = self._reader.again(lambda lost: self._get_exact(model, toks))
         return None if hit is None else hit.cache
 
     def _get_exact(self, model: str, toks: np.ndarray) -> Optional[Hit]:
-        return _blobs.again(lambda lost: self._get_exact_once(model, toks))
-
-    def _get_exact_once(self, model: str, toks: np.ndarray) -> Optional[Hit]:
         ekey = _keys.entry_key(_keys.model_id(model), toks)
         with self.env.read(buffers=True) as txn:
-            man = self._manifest(txn, ekey)
+            man = self._reader.manifest(txn, ekey)
             if man is None:
-                self._count("misses")
+                self._usage.count("misses")
                 return None
-            self._check_entry(man, model, toks, len(toks))
-            cache = self._restore(txn, ekey, man)
-            info = self._info(txn, ekey, man)
-        self._touch(ekey)
-        self._count("hits")
+            if man.model != model:
+                raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
+            if not np.array_equal(man.tokens, toks):
+                raise CorruptEntry(f"{self.path} entry {man.entry_id}: stored tokens do not match its key")
+            cache = self._reader.restore(txn, ekey, man)
+            info = self._catalog.info(txn, ekey, man)
+        self._usage.touch(ekey)
+        self._usage.count("hits")
         return Hit(cache, len(toks), info)
 
-    def _check_entry(self, man: _entry.Manifest, model: str, toks: np.ndarray, n: int) -> None:
-        if man.model != model:
-            raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
-        if len(man.tokens) != n or not np.array_equal(man.tokens, toks[:n]):
-            raise CorruptEntry(f"{self.path} entry {man.entry_id}: stored tokens do not match its key")
-
-    def peek(self, model: str, tokens: Sequence[int]) -> int:
+    def peek(self, model: str, tokens: _keys.Tokens) -> int:
         """How many tokens of ``tokens`` :meth:`lookup` would cover, reading
         manifests only (no arrays), so a caller can skip a restore that would
         not beat what it holds. 0 when nothing matches.
@@ -543,13 +313,13 @@ class PromptStore(CapacityMixin, InspectMixin):
         mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
         with self.env.read() as txn:
-            manifest = lambda ekey: self._safe_manifest(txn, ekey)  # noqa: E731
-            for _ekey, matched, man in _index.candidates(txn, self._db, mid, toks, manifest):
+            manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
+            for _ekey, matched, man in _index.candidates(txn, self.env.db, mid, toks, manifest):
                 if man.model == model:
                     return matched
         return 0
 
-    def lookup(self, model: str, tokens: Sequence[int]) -> Optional[Hit]:
+    def lookup(self, model: str, tokens: _keys.Tokens) -> Optional[Hit]:
         """The longest usable stored prefix of ``tokens``, restored.
 
         An entry whose tokens are a prefix of the query is usable as is; a
@@ -563,16 +333,16 @@ class PromptStore(CapacityMixin, InspectMixin):
         """
         mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        return _blobs.again(lambda lost: self._lookup_once(model, mid, toks, lost))
+        return self._reader.again(lambda lost: self._lookup(model, mid, toks, lost))
 
-    def _lookup_once(self, model: str, mid: bytes, toks: np.ndarray, lost: Set[str]) -> Optional[Hit]:
+    def _lookup(self, model: str, mid: bytes, toks: np.ndarray, lost: Set[str]) -> Optional[Hit]:
         with self.env.read(buffers=True) as txn:
-            manifest = lambda ekey: self._safe_manifest(txn, ekey)  # noqa: E731
-            for ekey, matched, man in _index.candidates(txn, self._db, mid, toks, manifest):
+            manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
+            for ekey, matched, man in _index.candidates(txn, self.env.db, mid, toks, manifest):
                 try:
                     if man.model != model:
                         raise ModelMismatch(f"entry {man.entry_id} belongs to {man.model!r}, not {model!r}")
-                    cache = self._restore(txn, ekey, man)
+                    cache = self._reader.restore(txn, ekey, man)
                 except _blobs.Vanished as err:
                     if err.blob not in lost:
                         raise  # deleted since this snapshot, or lost: look again
@@ -583,30 +353,171 @@ class PromptStore(CapacityMixin, InspectMixin):
                     continue
                 trimmed = len(man.tokens) - matched
                 if trimmed:
-                    _trim(cache, trimmed)
-                info = self._info(txn, ekey, man)
-                self._touch(ekey)
-                self._count("hits")
+                    trim_cache(cache, trimmed)
+                info = self._catalog.info(txn, ekey, man)
+                self._usage.touch(ekey)
+                self._usage.count("hits")
                 return Hit(cache, matched, info, trimmed)
-        self._count("misses")
+        self._usage.count("misses")
         return None
 
-    def _safe_manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
-        try:
-            return self._manifest(txn, ekey)
-        except PromptStoreError as err:
-            log.warning("promptstore: skipping entry %s: %s", _keys.entry_id(ekey), err)
-            return None
+    def load(self, key: str, model: Optional[str] = None) -> Tuple[List[Any], EntryInfo, List[int]]:
+        """Restore an entry by id: ``(cache, info, tokens)``.
 
+        Raises:
+            EntryNotFound: no such id.
+            ModelMismatch: ``model`` is given and the entry belongs to another.
+            CorruptEntry, UnknownStorageKind, UnsupportedVersion.
+        """
+        return self._reader.again(lambda lost: self._load(key, model))
 
-def _trim(cache: List[Any], n: int) -> None:
-    """Trim every layer by ``n`` tokens; plain KV layers also drop the trimmed
-    positions so their memory is not kept alive."""
-    for layer in cache:
-        layer.trim(n)
-        if type(layer) is KVCache and layer.keys is not None:
-            layer.keys = layer.keys[..., : layer.offset, :]
-            layer.values = layer.values[..., : layer.offset, :]
-        elif type(layer) is QuantizedKVCache and layer.keys is not None:
-            layer.keys = tuple(x[..., : layer.offset, :] for x in layer.keys)
-            layer.values = tuple(x[..., : layer.offset, :] for x in layer.values)
+    def _load(self, key: str, model: Optional[str]) -> Tuple[List[Any], EntryInfo, List[int]]:
+        with self.env.read(buffers=True) as txn:
+            ekey = self._catalog.resolve(txn, key)
+            man = self._reader.manifest(txn, ekey)
+            if man is None:
+                raise self._catalog.vanished(key)
+            if model is not None and man.model != model:
+                raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
+            cache = self._reader.restore(txn, ekey, man)
+            info = self._catalog.info(txn, ekey, man)
+        self._usage.touch(ekey)
+        return cache, info, man.tokens.tolist()
+
+    # -- inspecting ------------------------------------------------------------
+
+    def info(self, key: str) -> EntryInfo:
+        """EntryInfo of the entry with id (or unique id prefix) ``key``.
+
+        Raises:
+            EntryNotFound: no such entry, or the prefix is ambiguous.
+        """
+        with self.env.read() as txn:
+            ekey = self._catalog.resolve(txn, key)
+            man = self._reader.manifest(txn, ekey)
+            if man is None:
+                raise self._catalog.vanished(key)
+            return self._catalog.info(txn, ekey, man)
+
+    def tokens(self, key: str) -> List[int]:
+        """The token ids of the entry with id (or unique prefix) ``key``."""
+        with self.env.read() as txn:
+            man = self._reader.manifest(txn, self._catalog.resolve(txn, key))
+            if man is None:
+                raise self._catalog.vanished(key)
+            return man.tokens.tolist()
+
+    def entries(self, model: Optional[str] = None) -> Iterator[EntryInfo]:
+        """EntryInfo of every readable entry (of ``model`` when given).
+
+        Entries whose manifest is damaged are skipped with a warning; run
+        :meth:`verify` to list them.
+        """
+        with self.env.read() as txn:
+            return iter(self._catalog.listing(txn, model))
+
+    def counters(self) -> Dict[str, int]:
+        """Hits and misses recorded by every process (after their flush)."""
+        self.flush()
+        with self.env.read() as txn:
+            return self._usage.counters(txn)
+
+    def file_size(self) -> int:
+        """Bytes the store's files take: the LMDB data file (it never shrinks
+        by itself) and the blob files of large entries."""
+        return (self.env.dir / "data.mdb").stat().st_size + self._blobs.nbytes()
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """Check every manifest and checksum; with ``fix``, delete what is broken.
+
+        Returns:
+            A VerifyReport listing each damaged entry and orphaned chunks,
+            and counting the blob files no entry names. Those are leftovers
+            of puts killed before their commit, not damage: they do not make
+            the report fail, and a put in flight may show as one; ``fix``
+            (and :meth:`gc`) decide again under the writer lock and remove
+            them.
+        """
+        return self._maintenance.verify(fix)
+
+    # -- capacity --------------------------------------------------------------
+
+    @property
+    def budget(self) -> Optional[int]:
+        """The store's byte budget (remembered in the store), or None."""
+        return self._capacity.budget()
+
+    def usage(self) -> int:
+        """Bytes the entries account for (payloads plus manifests)."""
+        return self._capacity.usage()
+
+    def set_budget(self, budget: Optional[int], plan: Optional[GcReport] = None) -> GcReport:
+        """Set (or with None, remove) the byte budget, remembered by the store,
+        and evict least-recently-used unpinned entries down to it (or, given
+        ``plan`` from ``gc(budget, dry_run=True)``, exactly the planned ones).
+
+        From then on every ``put`` evicts in its own transaction, so the store
+        never holds more than the budget plus the entry being written.
+
+        Raises:
+            InvalidInput: not a byte count.
+            StoreFull: the pinned entries alone exceed the budget (nothing changes).
+        """
+        return self._capacity.set_budget(budget, plan)
+
+    def gc(self, budget: Optional[int] = None, dry_run: bool = False, plan: Optional[GcReport] = None) -> GcReport:
+        """Evict least-recently-used unpinned entries down to the budget.
+
+        Also recounts the size accounting, drops pins of deleted entries and
+        removes blob files no entry names (left by a put killed before its
+        commit, or by a crash before a deleted entry's file was unlinked).
+
+        Args:
+            budget: evict down to this many bytes instead of the stored budget
+                (the stored budget is not changed; use :meth:`set_budget`).
+            dry_run: report what would be evicted; change nothing. The
+                report is a plan.
+            plan: a dry run's report: evict exactly its entries that are
+                still there (and not pinned since), no others.
+
+        Returns:
+            A GcReport; with no budget and no plan nothing is evicted.
+        """
+        return self._capacity.gc(budget, dry_run, plan)
+
+    def pin(self, key: str) -> None:
+        """Pin the entry with id (or unique prefix) ``key``: never evicted.
+
+        Raises:
+            EntryNotFound: no such entry.
+            StoreFull: pinned entries would exceed the budget.
+        """
+        self._capacity.pin(key)
+
+    def unpin(self, key: str) -> bool:
+        """Unpin an entry; True when it was pinned."""
+        return self._capacity.unpin(key)
+
+    def pinned(self) -> List[str]:
+        """Ids of the pinned entries."""
+        return self._capacity.pinned()
+
+    def compact(self) -> Tuple[int, int]:
+        """Rewrite the data file without its free pages: ``(bytes before, after)``.
+
+        Safe while other processes use the store: they move to the compacted
+        file at their next transaction (see ``promptstore.store._env``). Needs
+        free disk space for the compacted copy.
+
+        Raises:
+            StoreFull: no room for the copy (the store is unchanged).
+        """
+        self.flush()
+        return self.env.compact()
+
+    def salvage(self, dst: Union[str, os.PathLike]) -> SalvageReport:
+        """Copy every intact entry of this store into a fresh store at ``dst``.
+
+        See :func:`promptstore.salvage`.
+        """
+        return _salvage(self.path, Path(dst))

@@ -1,0 +1,145 @@
+"""Reading entries: manifests, and the one place that picks how a payload is read.
+
+An entry's payload is read in one of three ways, chosen by :meth:`Reader.restore`:
+
+* a blob file (``format._blobs``), for entries whose manifest names one;
+* LMDB chunks copied out of the map, for small payloads;
+* ``pread`` from the data file at the chunks' file offsets (Linux), for large
+  payloads kept in LMDB: py-lmdb maps every page of a value it returns, only
+  for them to be dropped again, so the offsets are found once and remembered
+  (see :meth:`Reader._read_large`).
+
+Every strategy checks every array's checksum; the arrays are copied into mlx
+inside the read transaction, since LMDB buffers die with it.
+
+A blob file can vanish between a reader's snapshot and its open (the entry was
+deleted or replaced since): :meth:`Reader.again` runs a read again on a new
+snapshot, and tells a deleted entry from a lost file.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Set, TypeVar
+
+from promptstore.errors import CorruptEntry, PromptStoreError
+from promptstore.format import _blobs, _entry, _fill, _pages
+from promptstore.store import _keys
+from promptstore.store._env import Env
+from promptstore.store._schema import Tables, chunk_key
+
+log = logging.getLogger("promptstore")
+T = TypeVar("T")
+
+_LOOKS = 8  # reads of an entry replaced every time give up after this many snapshots
+
+
+class Reader:
+    """Reads manifests and payloads of one store."""
+
+    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs):
+        self.path = path
+        self._env = env
+        self._db = tables
+        self._blobs = blobs
+
+    def manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
+        """The manifest at ``ekey``, or None.
+
+        Raises:
+            CorruptEntry, UnsupportedVersion: damaged, or written by a newer promptstore.
+        """
+        raw = txn.get(ekey, db=self._db.entries)
+        if raw is None:
+            return None
+        return _entry.unpack_manifest(bytes(raw), f"{self.path} entry {_keys.entry_id(ekey)}")
+
+    def safe_manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
+        """The manifest at ``ekey``, or None when missing or unreadable (logged)."""
+        try:
+            return self.manifest(txn, ekey)
+        except PromptStoreError as err:
+            log.warning("promptstore: skipping entry %s: %s", _keys.entry_id(ekey), err)
+            return None
+
+    @staticmethod
+    def again(read: Callable[[Set[str]], T]) -> T:
+        """``read(lost)``, run again on a new snapshot while it meets a blob
+        file that vanished (:class:`~promptstore.format._blobs.Vanished`).
+
+        A blob is unlinked only after the commit that dropped its manifest, so
+        a blob missing at a second snapshot (taken after the first look failed)
+        that still names it is lost. ``lost`` holds such blobs: lookup skips
+        their entries; other reads raise the second Vanished, a CorruptEntry.
+        After ``_LOOKS`` looks at an entry replaced every time, the last error
+        is raised.
+        """
+        seen: Set[str] = set()
+        for attempt in range(_LOOKS):
+            try:
+                return read(seen)
+            except _blobs.Vanished as err:
+                if err.blob in seen or attempt == _LOOKS - 1:
+                    raise
+                seen.add(err.blob)
+        raise AssertionError("unreachable")
+
+    def restore(self, txn, ekey: bytes, man: _entry.Manifest, remembered: bool = True) -> List[Any]:
+        """The entry's cache, read, checked and decoded inside ``txn``.
+
+        ``remembered=False`` (verify) always goes through LMDB, checking every
+        chunk's presence and length.
+        """
+        where = f"{self.path} entry {man.entry_id}"
+        return _entry.decode_layers(man, self._payload(txn, ekey, man, where, remembered), where)
+
+    def _payload(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool) -> List[Dict[str, Any]]:
+        if man.blob is not None:
+            return self._blobs.read(man, where)
+        chunks = self._db.chunks
+
+        def get_chunk(i: int) -> Any:
+            return txn.get(chunk_key(ekey, i), db=chunks)
+
+        if man.payload < _pages.MIN_PAYLOAD:
+            return _entry.read_arrays(man, get_chunk, where)
+        return self._read_large(ekey, man, get_chunk, where, remembered)
+
+    def _read_large(self, ekey: bytes, man: _entry.Manifest, get_chunk: Callable[[int], Any], where: str, remembered: bool) -> List[Dict[str, Any]]:
+        """A large payload kept in LMDB, read with ``pread`` where possible.
+
+        The file offsets of an entry's chunks are remembered, keyed by the
+        entry and its manifest's creation time and size, so a later get of the
+        same entry reads them directly. Only overflow pages are remembered
+        (every chunk at least a page long): LMDB never moves those while their
+        value stands, whereas a small value lives in a leaf page that any later
+        write may copy. The offsets are stale only if the entry was rewritten
+        since, at the same key, with the same creation time; then the
+        checksums fail and the restore is redone through LMDB, which also
+        reports real damage. A failure on offsets just computed is checked
+        again by copying out of the map, so a wrong offset can never make a
+        healthy entry look damaged.
+        """
+        data = self._env.data_file()
+        fd = data.fd if _fill.available() else None
+        key = (ekey, man.created, man.payload, man.chunks)
+        offsets = data.located.get(key) if fd is not None and remembered else None
+        if fd is not None and offsets is not None:
+            try:
+                return _entry.read_file(man, fd, offsets, where)
+            except CorruptEntry:
+                data.forget(key)
+        bufs = _entry.chunk_buffers(man, get_chunk, where, data.release)
+        found = [data.offset(b) for b in bufs]
+        if fd is None or any(o is None for o in found):
+            return _entry.read_mapped(man, bufs, where, data.release)
+        located = [o for o in found if o is not None]
+        try:
+            arrays = _entry.read_file(man, fd, located, where)
+        except CorruptEntry:
+            data.refresh()
+            return _entry.read_mapped(man, bufs, where, data.release)
+        if min(len(b) for b in bufs) >= _pages._PAGE:
+            data.remember(key, located)
+        return arrays

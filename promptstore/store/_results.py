@@ -1,0 +1,81 @@
+"""What the store's API returns: frozen dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Dict, List, Optional, Tuple
+
+
+def utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What the store knows of one entry, without its arrays."""
+
+    id: str
+    model: str
+    model_name: str
+    n_tokens: int
+    kinds: Tuple[str, ...]
+    nbytes: int
+    created: datetime
+    last_used: datetime
+    trimmable: bool
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup result: a ready cache covering ``matched`` tokens of the query.
+
+    ``trimmed`` is how many tokens were cut from a longer stored entry.
+    """
+
+    cache: List[Any]
+    matched: int
+    info: EntryInfo
+    trimmed: int = 0
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of :meth:`PromptStore.verify`."""
+
+    checked: int
+    problems: Tuple[Tuple[str, str], ...]  # (entry id, what is wrong)
+    orphan_chunks: int
+    fixed: bool
+    orphan_blobs: int = 0  # blob files no entry names: leftovers of killed puts, not damage
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.orphan_chunks
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """Outcome of :meth:`PromptStore.gc`: what was (or, dry, would be) evicted.
+
+    A dry run's report is a plan: pass it back as ``gc(plan=report)`` to
+    evict exactly those entries and no others.
+    """
+
+    evicted: Tuple[str, ...]  # entry ids, least recently used first
+    freed: int  # bytes of the evicted entries
+    usage: int  # bytes accounted after eviction
+    budget: Optional[int]
+    dry_run: bool
+
+
+@dataclass(frozen=True)
+class SalvageReport:
+    """Outcome of :func:`salvage`."""
+
+    src: str
+    dst: str
+    copied: Tuple[str, ...]  # entry ids copied intact
+    skipped: Tuple[Tuple[str, str], ...]  # (entry id, why) left behind
+    unreadable_tables: Tuple[str, ...]  # tables whose walk failed part way

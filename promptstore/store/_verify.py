@@ -1,0 +1,128 @@
+"""Maintenance that walks the whole store: verify, the index rebuild, stray blob files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError
+from promptstore.format import _blobs, _entry
+from promptstore.store import _index, _keys
+from promptstore.store._env import Env
+from promptstore.store._read import Reader
+from promptstore.store._results import VerifyReport
+from promptstore.store._schema import Tables, model_of, owner_of_chunk
+from promptstore.store._write import EntryWriter
+
+
+class Maintenance:
+    """Checks and repairs of one store."""
+
+    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs, reader: Reader, writer: EntryWriter):
+        self.path = path
+        self._env = env
+        self._db = tables
+        self._blobs = blobs
+        self._reader = reader
+        self._writer = writer
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """See :meth:`PromptStore.verify`."""
+        problems: List[Tuple[str, str]] = []
+        bad: Dict[bytes, Optional[bytes]] = {}  # entry key -> the manifest bytes found damaged
+        db = self._db
+        # One snapshot for the entry list and the chunk list: a put commits its
+        # chunks and manifest together, so only true orphans differ between them.
+        with self._env.read() as txn:
+            keys = [bytes(k) for k in txn.cursor(db=db.entries).iternext(keys=True, values=False)]
+            known = set(keys)
+            orphans = [
+                bytes(k) for k in txn.cursor(db=db.chunks).iternext(keys=True, values=False) if owner_of_chunk(bytes(k)) not in known
+            ]
+            stray = self.stray_blobs(txn)
+        checked = 0
+        for ekey in keys:
+            eid = _keys.entry_id(ekey)
+            raw = None
+            try:
+                with self._env.read(buffers=True) as txn:  # one short transaction per entry
+                    found = txn.get(ekey, db=db.entries)
+                    if found is None:
+                        continue  # deleted since the snapshot
+                    raw = bytes(found)
+                    checked += 1
+                    man = _entry.unpack_manifest(raw, f"{self.path} entry {eid}")
+                    mid = model_of(ekey)
+                    if man.entry_id != eid or _keys.model_id(man.model) != mid or _keys.entry_key(mid, man.tokens) != ekey:
+                        raise CorruptEntry(f"entry {eid}: manifest does not match its key")
+                    self._reader.restore(txn, ekey, man, remembered=False)
+            except StoreClosed:
+                raise  # closed by another thread: the rest was not checked, not found damaged
+            except PromptStoreError as err:
+                if isinstance(err, _blobs.Vanished) and not self._still(ekey, raw):
+                    continue  # deleted or replaced since: its blob went with it
+                problems.append((eid, str(err)))
+                if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
+                    bad[ekey] = raw
+        if fix and (bad or orphans or stray):
+            def write(txn) -> None:
+                for ekey, raw in bad.items():
+                    now = txn.get(ekey, db=db.entries)
+                    if now is not None and bytes(now) == raw:  # not replaced by a put since
+                        self._writer.unlink(txn, ekey, None)
+                for k in orphans:
+                    if txn.get(owner_of_chunk(k), db=db.entries) is None:  # still no entry owns them
+                        txn.delete(k, db=db.chunks)
+                self.rebuild_index(txn)
+                self.sweep_blobs(txn)
+
+            self._env.write(write)
+        return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray))
+
+    def _still(self, ekey: bytes, raw: Optional[bytes]) -> bool:
+        """Whether the entry at ``ekey`` still has the manifest ``raw`` (a new snapshot)."""
+        with self._env.read() as txn:
+            now = txn.get(ekey, db=self._db.entries)
+        return now is not None and now == raw
+
+    def rebuild_index(self, txn) -> None:
+        """Rebuild the prefix index from the intact manifests."""
+        _index.clear(txn, self._db)
+        for k, raw in list(txn.cursor(db=self._db.entries)):
+            k = bytes(k)
+            try:
+                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(k))
+            except PromptStoreError:
+                continue
+            _index.add(txn, self._db, model_of(k), man.tokens, _keys.prefix_hashes(man.tokens), k, man.trimmable)
+
+    def stray_blobs(self, txn) -> List[str]:
+        """The blob files that no manifest in ``txn`` names. A blob's name
+        starts with its entry's id, so each file costs one manifest read. A
+        file whose entry has a manifest this promptstore cannot read (damaged,
+        or from a newer version) is kept: it may be that entry's."""
+        stray = []
+        for name in self._blobs.names():
+            ekey = txn.get(name[:16].encode(), db=self._db.ids)
+            raw = txn.get(bytes(ekey), db=self._db.entries) if ekey is not None else None
+            if raw is not None:
+                try:
+                    if _entry.unpack_manifest(bytes(raw), name[:16]).blob == name:
+                        continue
+                except PromptStoreError:
+                    continue
+            stray.append(name)
+        return stray
+
+    def sweep_blobs(self, txn) -> int:
+        """Unlink, once ``txn`` commits, the blob files no manifest in it names.
+        Only in a write transaction: under the writer lock no put is between
+        writing its file and committing it (see ``format._blobs``)."""
+        stray = self.stray_blobs(txn)
+        if stray:
+            def unlink() -> None:
+                for name in stray:
+                    self._blobs.unlink(name)
+
+            self._env.after_commit(unlink)
+        return len(stray)
