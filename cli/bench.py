@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 import click
 
 from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
+from promptstore.bench import gbps, run
 
 
 @command()
@@ -31,8 +32,6 @@ def bench(quick, out_file, scratch, as_json):
     never the --store directory. A full run takes a few minutes and several
     GB of scratch disk.
     """
-    from promptstore.bench import run
-
     def progress(line: str) -> None:
         click.echo(f"bench: {line}", err=True)
 
@@ -55,8 +54,6 @@ def _size(n: float) -> str:
 
 def render(res: Dict[str, Any]) -> str:
     """The results as Markdown: targets first, then every measured figure."""
-    from promptstore.bench import gbps
-
     lines: List[str] = []
     add = lines.append
     mode = "quick" if res["quick"] else "full"

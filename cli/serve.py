@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from promptstore.cli._common import command, emit_json, guarded, json_option, model_option
+from promptstore.serving._server import serve as run_server
 
 
 @command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -28,8 +29,6 @@ def serve(obj, model_dir, as_json, server_args):
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise click.BadParameter(f"{model_dir}: not an mlx-lm model directory (no config.json)", param_hint="--model")
-    from promptstore.serving._server import serve as run_server
-
     stats = run_server(str(path), list(server_args), store=obj.store)
     if as_json:
         emit_json({"store": str(obj.store.path), "model": str(path), "cache": stats})

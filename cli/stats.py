@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any, DefaultDict, Dict
 
 import click
 
@@ -13,8 +14,8 @@ from promptstore.cli.ls import plural, render_table
 def collect(store) -> dict:
     """The stats document (raw integers) of a store."""
     infos = list(store.entries())
-    models = defaultdict(lambda: {"entries": 0, "bytes": 0, "tokens": 0})
-    kinds = defaultdict(lambda: {"entries": 0, "layers": 0, "entry_bytes": 0})
+    models: DefaultDict[str, Dict[str, Any]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "tokens": 0})
+    kinds: DefaultDict[str, Dict[str, int]] = defaultdict(lambda: {"entries": 0, "layers": 0, "entry_bytes": 0})
     for i in infos:
         m = models[i.model]
         m["name"] = i.model_name

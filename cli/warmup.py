@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Optional
 
 import click
 
-from promptstore.jobs import warmup as run_warmup
+from promptstore import warmup as run_warmup
 from promptstore.cli._common import emit_json, format_size, guarded, json_option
 from promptstore.jobs.prefill import load_model
+
+if TYPE_CHECKING:
+    from click._termui_impl import ProgressBar
 
 
 class _Bar:
@@ -17,7 +21,7 @@ class _Bar:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.tty = sys.stderr.isatty()
-        self.bar = None
+        self.bar: Optional[ProgressBar[int]] = None
 
     def __call__(self, done: int, total: int, tokens: int, secs: float) -> None:
         if not self.enabled or total == 0:

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import xxhash
 
@@ -99,13 +99,14 @@ def _module_fingerprint(model: Any, tokenizer: Any, name: Optional[str]) -> str:
         except TypeError:
             desc = dict(vars(args))
         h.update(b"config\0" + json.dumps(desc, sort_keys=True, default=str).encode())
-    params = tree_flatten(model.parameters())
+    # Without a destination, tree_flatten returns the list of pairs.
+    params = cast(List[Tuple[str, mx.array]], tree_flatten(model.parameters()))
     mx.eval([v for _, v in params])
     for k, v in sorted(params, key=lambda kv: kv[0]):
         h.update(f"weights\0{k}\0{v.dtype}\0{v.shape}\0".encode())
         if v.dtype == mx.bfloat16:
             v = v.view(mx.uint16)
-        h.update(memoryview(np.asarray(v)).cast("B"))
+        h.update(np.asarray(v).data.cast("B"))
     if tokenizer is not None:
         inner = getattr(tokenizer, "_tokenizer", tokenizer)
         backend = getattr(inner, "backend_tokenizer", None)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from conftest import ROOT, load_fixture
 from promptstore import PromptStore
-from promptstore.jobs import warmup
+from promptstore import warmup
 from promptstore.cli import main
 from promptstore.codecs import encode_layer
 from promptstore.jobs.prefill import encode_prompt, prefill

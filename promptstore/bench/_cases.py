@@ -17,14 +17,18 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
 
 from promptstore.bench import _data as data
+from promptstore.codecs import encode_layer
 from promptstore.format import _entry
 from promptstore.format._bits import bits_equal
+from promptstore.identity import fingerprint
+from promptstore.jobs.prefill import load_model, prefill
+from promptstore.rows import extract_row, put_row
 from promptstore.store import PromptStore
 
 MODEL = "bench-qwen3-next-80b-shaped@0"
@@ -54,8 +58,6 @@ def write_bytes() -> int:
 
 def _payload_views(cache) -> List[memoryview]:
     """The byte views promptstore would write for ``cache`` (same bytes, same order)."""
-    from promptstore.codecs import encode_layer
-
     _, views, _ = _entry.prepare([encode_layer(layer) for layer in cache])
     return views
 
@@ -93,7 +95,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
     try:
         store.put(MODEL, tokens[:1], data.tiny_kv(1))  # for the peak-memory child's warm-up
         store.put(MODEL, tokens, cache)  # the entry every get reads (untimed first put)
-        first_exact = _bits_exact(cache, store.get(MODEL, tokens))  # the last get is checked too
+        first_exact = _bits_exact(cache, _found(store.get(MODEL, tokens)))  # the last get is checked too
         rounds = iter(range(1, 1 << 30))
         written: List[int] = []
         last: List[np.ndarray] = []  # the entries the last two steady puts wrote
@@ -155,7 +157,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
         def file_read() -> None:
             buf = np.empty(nbytes, dtype=np.uint8)
             with open(raw, "rb", buffering=0) as f:
-                f.readinto(memoryview(buf))
+                f.readinto(buf.data)
 
         def release(clear: bool) -> Callable[[], None]:
             def fn() -> None:
@@ -216,16 +218,25 @@ def level_memory(nbytes: int) -> None:
     """Leave ``nbytes`` of warm free memory in the kernel before a *fresh*
     operation (touch them, then free them).
 
-    On this machine class (a VM whose virtio balloon reports free 2 MiB
-    blocks to the host) memory the guest freed a few seconds earlier is
-    returned to the host, and touching it again costs a host fault on top
-    of the guest's. Without this, a fresh operation paid that or not by
-    what ran before it: on the 32K cache the copy inside a fresh get took
-    0.97-1.03 s when the get came right after the puts, 0.13-0.17 s when
-    every fresh operation started like this.
+    On a VM whose virtio balloon reports free 2 MiB blocks to the host,
+    memory the guest freed a few seconds earlier is returned to the host,
+    and touching it again costs a host fault on top of the guest's. Without
+    this, a fresh operation paid that or not by what ran before it, and the
+    copy inside a fresh get was several times slower right after the puts
+    than elsewhere (figures: docs/performance.md).
     """
     warm = np.ones(nbytes, dtype=np.uint8)
     del warm
+
+
+_T = TypeVar("_T")
+
+
+def _found(value: Optional[_T]) -> _T:
+    """What the bench reads back it has just written: a miss is a bug."""
+    if value is None:
+        raise RuntimeError("bench: an entry just written was not found")
+    return value
 
 
 def _bits_exact(cache: Sequence[Any], restored: Sequence[Any]) -> bool:
@@ -275,7 +286,7 @@ def throughput_child(workdir: Path, shape: data.Shape, n_tokens: int, repeats: i
 
 
 def peak_memory(workdir: Path, n_tokens: int) -> Dict[str, Any]:
-    """Peak memory a get adds, measured in a fresh subprocess (see _bench_mem)."""
+    """Peak memory a get adds, measured in a fresh subprocess (see :mod:`_mem`)."""
     cmd = [sys.executable, "-m", "promptstore.bench._mem", str(workdir / "store"), MODEL, str(workdir / f"tokens-{n_tokens}.npy")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -313,35 +324,13 @@ def lookup(workdir: Path, sizes: Sequence[int], repeats: int, seed: int = 0) -> 
     return results
 
 
-def _row_api():
-    """``(extract_row, put_row)`` of promptstore.rows when present, else None."""
-    try:
-        from promptstore.rows import extract_row, put_row
-    except ImportError:
-        return None
-    return extract_row, put_row
-
-
 def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, seed: int = 0) -> Dict[str, Any]:
-    """Bytes written to storage when one row of a batch of ``rows`` is saved.
-
-    With ``promptstore.rows``: ``put_row`` (its compact extract + put).
-    Without: ``extract(i)`` of every layer (mlx-lm's BatchKVCache,
-    promptstore's SSMCache) and a put of the serial result.
-    """
+    """Bytes written to storage when one row of a batch of ``rows`` is saved
+    with ``put_row`` (its compact extract + put)."""
     cache, lengths = data.batch_cache(shape, rows, n_tokens, seed)
     i = rows - 1
-    api = _row_api()
-
-    def extract() -> List[Any]:
-        if api is not None:
-            return api[0](cache, i)
-        row = [layer.extract(i) for layer in cache]
-        mx.eval([a for layer in row for a in data._layer_arrays(layer)])
-        return row
-
     t0 = time.perf_counter()
-    row = extract()
+    row = extract_row(cache, i)
     t_extract = time.perf_counter() - t0
     row_bytes = data.cache_nbytes(row)
     ssm_class = type(row[0]).__name__
@@ -351,10 +340,7 @@ def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, see
         store.put(MODEL, tokens[:1], data.tiny_kv(1))  # the store file exists before the measured put
         io0 = write_bytes()
         t0 = time.perf_counter()
-        if api is not None:
-            info = api[1](store, MODEL, tokens, cache, i)
-        else:
-            info = store.put(MODEL, tokens, extract())
+        info = put_row(store, MODEL, tokens, cache, i)
         t_put = time.perf_counter() - t0
         written = write_bytes() - io0
     return {
@@ -368,16 +354,13 @@ def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, see
         "extract_s": t_extract,
         "put_s": t_put,
         "ssm_class": ssm_class,
-        "method": "promptstore.rows.put_row" if api is not None else "extract + PromptStore.put",
+        "method": "promptstore.rows.put_row",
     }
 
 
 def restore_vs_prefill(workdir: Path, model_dir: Path, lengths: Sequence[int], repeats: int, seed: int = 0) -> List[Dict[str, Any]]:
     """Time to first token on the fixture hybrid: cold prefill of the whole
     prompt vs ``lookup`` of the stored prompt-minus-one and one forward step."""
-    from promptstore import fingerprint
-    from promptstore.jobs.prefill import load_model, prefill
-
     model, _ = load_model(str(model_dir))
     fp = fingerprint(model_dir)
     rng = np.random.default_rng(seed)
@@ -390,7 +373,7 @@ def restore_vs_prefill(workdir: Path, model_dir: Path, lengths: Sequence[int], r
                 logits = model(mx.array(rest)[None], cache=cache)
                 y = mx.argmax(logits[:, -1, :], axis=-1)
                 mx.eval(y)
-                return int(y.item())
+                return cast(int, y.item())  # argmax: an int
 
             def cold() -> int:
                 cache = prefill(model, tokens[:-1])
@@ -399,13 +382,13 @@ def restore_vs_prefill(workdir: Path, model_dir: Path, lengths: Sequence[int], r
             store.put(fp, tokens[:-1], prefill(model, tokens[:-1]))
 
             def restored() -> int:
-                hit = store.lookup(fp, tokens)
+                hit = _found(store.lookup(fp, tokens))
                 return first_token(hit.cache, tokens[hit.matched :])
 
             same = cold() == restored()
             t_cold = median_time(cold, repeats)
             t_restored = median_time(restored, repeats)
-            hit = store.lookup(fp, tokens)
+            hit = _found(store.lookup(fp, tokens))
             out.append(
                 {
                     "tokens": n,

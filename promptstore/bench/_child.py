@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, Dict
+
+from promptstore.bench import _cases as cases
+from promptstore.bench import _data as data
 
 
 def main(argv) -> None:
-    from promptstore.bench import _cases as cases
-    from promptstore.bench import _data as data
-
     workdir, shape, n_tokens, repeats = argv
-    shape_kw = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(shape).items()}
+    shape_kw: Dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(shape).items()}
     out = cases.throughput(Path(workdir), data.Shape(**shape_kw), int(n_tokens), int(repeats))
     print(json.dumps(out))
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 import numpy as np
+
+from promptstore.ssm import SSMCache
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ def hybrid_cache(shape: Shape, n_tokens: int, seed: int = 0) -> List:
 
     key = mx.random.key(seed)
     cache = []
+    layer: Union[KVCache, ArraysCache]
     for i in range(shape.layers):
         key, k1, k2 = mx.random.split(key, 3)
         if shape.is_attention(i):
@@ -89,15 +92,14 @@ def hybrid_cache(shape: Shape, n_tokens: int, seed: int = 0) -> List:
 def batch_cache(shape: Shape, rows: int, n_tokens: int, seed: int = 0) -> Tuple[List, List[int]]:
     """A batch of ``rows`` left-padded rows (row ``i`` holds ``n_tokens - 32*i``
     tokens): ``BatchKVCache`` for attention layers, promptstore's ``SSMCache``
-    (when present) else ``ArraysCache`` for the recurrent ones. Returns the
-    cache and the per-row token counts."""
-    from mlx_lm.models.cache import ArraysCache, BatchKVCache
+    for the recurrent ones. Returns the cache and the per-row token counts."""
+    from mlx_lm.models.cache import BatchKVCache
 
-    ssm_cls = ssm_cache_class()
     padding = [32 * i for i in range(rows)]
     lengths = [n_tokens - p for p in padding]
     key = mx.random.key(seed)
     cache = []
+    layer: Any  # BatchKVCache or SSMCache
     for i in range(shape.layers):
         key, k1, k2 = mx.random.split(key, 3)
         if shape.is_attention(i):
@@ -107,11 +109,7 @@ def batch_cache(shape: Shape, rows: int, n_tokens: int, seed: int = 0) -> Tuple[
         else:
             conv = _random((rows,) + shape.conv[1:], mx.bfloat16, k1)
             state = _random((rows,) + shape.state[1:], mx.float32, k2)
-            if ssm_cls is not None:
-                layer = ssm_cls.from_parts(conv, state, lengths)
-            else:
-                layer = ArraysCache(size=2, left_padding=padding)
-                layer[0], layer[1] = conv, state
+            layer = SSMCache.from_parts(conv, state, lengths)
         cache.append(layer)
         mx.eval(_layer_arrays(layer))
     return cache, lengths
@@ -120,24 +118,14 @@ def batch_cache(shape: Shape, rows: int, n_tokens: int, seed: int = 0) -> Tuple[
 def _layer_arrays(layer) -> List[mx.array]:
     from mlx.utils import tree_flatten
 
-    return [v for _, v in tree_flatten(layer.state) if isinstance(v, mx.array)]
+    # Without a destination, tree_flatten returns the list of pairs.
+    pairs = cast(List[Tuple[str, Any]], tree_flatten(layer.state))
+    return [v for _, v in pairs if isinstance(v, mx.array)]
 
 
 def cache_nbytes(cache: Sequence) -> int:
     """Bytes of every array a cache holds (its ``state``)."""
     return sum(a.nbytes for layer in cache for a in _layer_arrays(layer))
-
-
-def ssm_cache_class():
-    """promptstore's SSMCache when it exists and has a registered codec, else None."""
-    try:
-        from promptstore.codecs import codec_for_layer
-        from promptstore.ssm import SSMCache
-
-        codec_for_layer(SSMCache())
-        return SSMCache
-    except Exception:
-        return None
 
 
 def tiny_kv(n_tokens: int):
@@ -199,7 +187,7 @@ def unsynced_lmdb() -> Iterator[None]:
     import lmdb
 
     original = lmdb.open
-    lmdb.open = functools.partial(original, sync=False, metasync=False)
+    lmdb.open = functools.partial(original, sync=False, metasync=False)  # type: ignore[assignment]  # a patch
     try:
         yield
     finally:

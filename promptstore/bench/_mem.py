@@ -23,6 +23,11 @@ import sys
 import threading
 import time
 
+import mlx.core as mx
+import numpy as np
+
+from promptstore.store import PromptStore
+
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -45,11 +50,6 @@ class _Sampler(threading.Thread):
 
 
 def main(argv) -> None:
-    import mlx.core as mx
-    import numpy as np
-
-    from promptstore import PromptStore
-
     store_path, model, tok_path = argv
     tokens = np.load(tok_path)
     with PromptStore(store_path) as store:

@@ -9,14 +9,16 @@ memory in ``readinto``. So :func:`blank` hands ``mx.load`` a safetensors
 stream of its own whose data part is never written: ``readinto`` only
 reports the range filled. The caller writes every byte of every buffer
 afterwards (through ``np.asarray``); a buffer's contents before that are
-unspecified. Each buffer costs about 0.1 ms (a call back into Python).
+unspecified. Each buffer costs a call back into Python, which is why
+restored arrays share buffers.
 
 Advising these buffers for transparent huge pages (``madvise`` before the
-first write) was measured and left out: with memory the kernel had just
-freed, an 880 MB restore took 0.15 s instead of 0.25 s, but on this machine
-class (a VM whose balloon reports free 2 MiB blocks back to the host) memory
-freed a few seconds earlier is gone from the host, every huge page then
-costs host faults, and the same restore took 0.65-1.0 s instead of 0.25-0.29.
+first write) was measured and left out: it speeds up a restore into memory
+the kernel has just freed, but where the host reclaims free memory (a VM
+whose balloon reports free 2 MiB blocks back to the host) memory freed a
+few seconds earlier is gone from the host, every huge page then costs host
+faults, and the same restore becomes several times slower. The figures are
+in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import io
 import json
 import struct
-from typing import List, Sequence
+from typing import BinaryIO, Dict, List, Sequence, cast
 
 import mlx.core as mx
 
@@ -71,7 +73,9 @@ def blank(sizes: Sequence[int]) -> List[mx.array]:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     head = struct.pack("<Q", len(text)) + text
-    loaded = mx.load(_Unwritten(head, len(head) + offset), format="safetensors")
+    # mx.load reads any binary file object; a safetensors file gives a dict.
+    source = cast(BinaryIO, _Unwritten(head, len(head) + offset))
+    loaded = cast(Dict[str, mx.array], mx.load(source, format="safetensors"))
     out = [loaded[str(i)] for i in range(len(sizes))]
     mx.eval(out)
     return out

@@ -108,7 +108,7 @@ def _host_bytes(a: mx.array) -> memoryview:
     view = _BYTE_VIEW.get(a.dtype)
     if view is not None:
         a = a.view(view)
-    return memoryview(np.asarray(a)).cast("B")
+    return np.asarray(a).data.cast("B")
 
 
 def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], int]:
@@ -170,7 +170,7 @@ def iter_chunks(views: Sequence[memoryview], total: int) -> Iterator[memoryview]
             if fill == CHUNK:
                 yield memoryview(scratch)
                 fill = 0
-    if fill:
+    if fill and scratch is not None:
         yield memoryview(scratch)[:fill]
 
 
@@ -408,9 +408,8 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     The reads and checksums run on two threads with the GIL released
     (:mod:`_fill`), into mlx buffers that nothing has written before
     (:mod:`_blank`). The arrays share buffers of up to 64 MiB (a larger one
-    gets its own): each buffer costs the loader 0.06-0.1 ms, and a 4K-token
-    restore of ~100 arrays took 2.5 ms in 30 buffers, 0.5 ms in 6 here. A
-    shared buffer lives while any of its arrays does; mlx-lm's caches
+    gets its own), since each buffer costs the loader a call back into
+    Python, and a restore has about a hundred arrays. A shared buffer lives while any of its arrays does; mlx-lm's caches
     replace every restored array at their first step (a full KV cache grows
     by concatenation, a recurrent state is recomputed), and the first
     in-place update of one (a full RotatingKVCache) copies it out once,
@@ -418,9 +417,9 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
 
     Every array starts at the same address modulo 64 as its bytes in the
     file, so the kernel's copy moves whole cache lines: mlx's buffers start
-    24 bytes past a page boundary, and reading 160 MB from page-aligned file
-    offsets into such addresses took 29 ms on two threads here, 12 ms when
-    source and destination were equally aligned. Each array therefore gets
+    24 bytes past a page boundary, and reading from page-aligned file
+    offsets into such addresses ran at less than half the speed of a copy
+    between equally aligned addresses (docs/performance.md). Each array therefore gets
     64 bytes of slack in its buffer and is a view at the matching offset.
     Raises CorruptEntry on a checksum mismatch or a file too short,
     StoreError when reading fails.
@@ -498,7 +497,7 @@ def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Ca
             continue
         ci, pos = divmod(rec.offset, CHUNK)
         piece = srcs[ci][pos : pos + rec.nbytes]
-        _verify(xxhash.xxh3_64_intdigest(piece), li, rec, where)
+        _verify(xxhash.xxh3_64_intdigest(piece.data), li, rec, where)
         flat[i] = mx.array(piece).view(DTYPES[rec.dtype]).reshape(rec.shape)
         if release is not None:
             release(bufs[ci][pos : pos + rec.nbytes])
@@ -551,7 +550,7 @@ def _copy_pieces(srcs: List[np.ndarray], offset: int, nbytes: int, host: np.ndar
         ci, cpos = divmod(offset + apos, CHUNK)
         take = min(nbytes - apos, CHUNK - cpos, _PIECE)
         piece = srcs[ci][cpos : cpos + take]
-        hasher.update(piece)
+        hasher.update(piece.data)
         host[apos : apos + take] = piece
         apos += take
         copied.upto(offset + apos)

@@ -60,8 +60,8 @@ def _load_xxh3() -> Optional[ctypes.CDLL]:
 
     ``lib.update`` is the library's runtime-dispatched update (AVX2/AVX-512
     where the CPU has them) when it exports one, else the plain one, which
-    is built for the baseline instruction set: on this machine class
-    (AVX-512) 52 GB/s instead of 28 in a one-off script.
+    is built for the baseline instruction set and hashes markedly slower
+    where wider vectors exist (docs/performance.md).
     """
     candidates = []
     try:
@@ -79,7 +79,7 @@ def _load_xxh3() -> Optional[ctypes.CDLL]:
             lib.XXH3_freeState.argtypes = (ctypes.c_void_p,)
             lib.XXH3_64bits_reset.argtypes = (ctypes.c_void_p,)
             lib.XXH3_64bits_update.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-            lib.update = lib.XXH3_64bits_update
+            lib.update = lib.XXH3_64bits_update  # type: ignore[attr-defined]  # CDLL takes new attributes
             lib.XXH3_64bits_digest.restype = ctypes.c_uint64
             lib.XXH3_64bits_digest.argtypes = (ctypes.c_void_p,)
         except (OSError, AttributeError):
@@ -87,10 +87,10 @@ def _load_xxh3() -> Optional[ctypes.CDLL]:
         try:
             fast = lib.XXH3_64bits_update_dispatch
             fast.argtypes = lib.update.argtypes
-            lib.update = fast
+            lib.update = fast  # type: ignore[attr-defined]
             if _selftest(lib):
                 return lib
-            lib.update = lib.XXH3_64bits_update
+            lib.update = lib.XXH3_64bits_update  # type: ignore[attr-defined]
         except AttributeError:
             pass
         if _selftest(lib):
@@ -104,7 +104,7 @@ def _selftest(lib: ctypes.CDLL) -> bool:
     import xxhash
 
     data = np.frombuffer(bytes(range(256)) * 1031, dtype=np.uint8)
-    return _digest(lib, data, [(0, 1000), (1000, data.size - 1000)]) == xxhash.xxh3_64_intdigest(data)
+    return _digest(lib, data, [(0, 1000), (1000, data.size - 1000)]) == xxhash.xxh3_64_intdigest(data.data)
 
 
 @contextmanager
@@ -182,7 +182,7 @@ def resident(host: np.ndarray) -> bool:
     """Whether every page of ``host`` is in memory: a buffer mlx's cache
     handed back, which :func:`_populate` must leave alone. One ``mincore``
     call per buffer, on the caller's thread: asked for each array on the
-    fill threads instead, the checks took 2-5 ms of a 4K-token restore."""
+    fill threads instead, the checks cost a noticeable share of a restore."""
     if _pages._libc is None:
         return False
     lo, hi = _whole_pages(host.ctypes.data, host.nbytes)
@@ -195,14 +195,15 @@ def resident(host: np.ndarray) -> bool:
 def _populate(addr: int, n: int) -> None:
     """Fault in a fresh destination's pages in one call
     (``MADV_POPULATE_WRITE``, Linux 5.14+; elsewhere a no-op) rather than
-    one page fault at a time inside ``pread``: a 4K-token restore into fresh
-    4 KiB pages took 70 ms instead of 81 here.
+    one page fault at a time inside ``pread``, which makes a restore into
+    fresh 4 KiB pages faster.
 
     Not where large mallocs get huge pages (:func:`_huge_pages`): faults
     are then few, and zeroing a whole destination ahead of the copy writes
-    it twice through the caches (37 ms without, 46 ms with). Nor on a
-    destination that is already resident (see :func:`resident`): populating
-    178 MB of resident 4 KiB pages still walks them, 7.7 ms on one thread.
+    it twice through the caches, which costs more than the faults it saves.
+    Nor on a destination that is already resident (see :func:`resident`):
+    populating resident pages saves nothing and still walks every one of
+    them on one thread.
     """
     if _pages._libc is None or _HUGE or n < _POPULATE_MIN:
         return
@@ -226,7 +227,7 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]], fresh: 
         base, pos = host.ctypes.data, 0
         if fresh:
             _populate(base, host.nbytes)
-        view = memoryview(host)
+        view = host.data
         for offset, length in segments:
             done = 0
             while done < length:
@@ -251,15 +252,15 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]], bo
 
     The jobs go out as one lane per thread, balanced by size (longest
     first, each to the lighter lane), rather than one pool task each: a
-    4K-token restore has ~100 arrays, and handing them out one by one cost
-    3-4 ms of a 30 ms fill here.
+    restore has about a hundred arrays, and handing them out one by one
+    costs a pool round trip each (measured in docs/performance.md).
     """
     lanes: List[List[int]] = [[] for _ in range(_WORKERS)]
     loads = [0] * _WORKERS
     for k in sorted(range(len(jobs)), key=lambda k: -jobs[k][0].nbytes):
-        lane = loads.index(min(loads))
-        lanes[lane].append(k)
-        loads[lane] += jobs[k][0].nbytes
+        light = loads.index(min(loads))
+        lanes[light].append(k)
+        loads[light] += jobs[k][0].nbytes
     digests: List[int] = [0] * len(jobs)
 
     def run(lane: List[int]) -> None:

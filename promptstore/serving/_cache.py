@@ -41,7 +41,7 @@ import numpy as np
 from promptstore.store import _keys
 from promptstore.serving._memory import MemEntry, MemoryTier, checkout, view
 from promptstore.serving._writer import Job, Writer
-from promptstore.errors import CoverageMismatch, PromptStoreError
+from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
 from promptstore.identity import fingerprint
 from promptstore.store import PromptStore
 
@@ -70,8 +70,6 @@ def model_identity(key: Any) -> str:
         InvalidInput: the key names an adapter, or a path that is not a
             model directory (hub ids are not resolved).
     """
-    from promptstore.errors import InvalidInput
-
     if isinstance(key, tuple):
         path, adapter, draft = (tuple(key) + (None, None, None))[:3]
     else:
