@@ -169,6 +169,22 @@ def test_trim_cache_drops_the_trimmed_positions():
         assert mx.array_equal(c.keys, keys).item()
 
 
+def test_trimmed_concat_cache_continues_like_one_that_never_held_the_tokens():
+    """mlx-lm's ConcatenateKVCache.trim only lowers offset; the next update
+    would append after the stale keys. trim_cache drops them, so a trimmed
+    cache continues bit-exactly like one filled with the kept tokens only."""
+    keys = mx.arange(2 * 10 * 4, dtype=mx.float32).reshape(1, 2, 10, 4)
+    step = mx.full((1, 2, 1, 4), -1.0)
+    trimmed, fresh = ConcatenateKVCache(), ConcatenateKVCache()
+    trimmed.update_and_fetch(keys, keys)
+    fresh.update_and_fetch(keys[..., :7, :], keys[..., :7, :])
+    trim_cache([trimmed], 3)
+    got, _ = trimmed.update_and_fetch(step, step)
+    want, _ = fresh.update_and_fetch(step, step)
+    assert got.shape == want.shape == (1, 2, 8, 4)
+    assert mx.array_equal(got, want).item()
+
+
 def test_trim_cache_trims_nothing_unless_every_layer_can():
     model, _, _, _ = load_fixture("gemma3_text")
     cache = mlx_make_prompt_cache(model)
