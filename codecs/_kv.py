@@ -40,6 +40,7 @@ class TrimmableKVCodec(Codec):
     can, so its entries need no checkpoints; arrays are ``[B, heads, seq, dim]``."""
 
     seq_axis = 2
+    shared_blocks = True
 
     def trimmable(self, layer):
         return bool(layer.is_trimmable())

@@ -86,6 +86,10 @@ class Codec:
     rounds: bool = False
     #: The mlx-lm class an mlx-lm prompt-cache file holds this kind as.
     mlx_lm_class: Optional[type] = None
+    #: Arrays whose second-to-last axis spans the entry's tokens may be stored
+    #: as shared content-addressed blocks (``format._blocks``), so entries
+    #: that share a prefix store its bytes once.
+    shared_blocks: bool = False
     #: The sequence axis of the layer's 4-d arrays (None: no axis grows with
     #: the tokens, so a cache made by the same model has exactly its shapes).
     seq_axis: Optional[int] = None

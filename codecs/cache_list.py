@@ -66,6 +66,7 @@ class CacheListCodec(Codec):
     mlx_lm_class = CacheList
     # mlx-lm flattens the inner arrays together; they compare like KV arrays.
     seq_axis = 2
+    shared_blocks = True  # per array: only those spanning the entry's tokens
 
     def kind_of(self, layer):
         return "list(" + ",".join(storage_kind(c) for c in layer.caches) + ")"

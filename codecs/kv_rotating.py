@@ -39,6 +39,7 @@ class RotatingKVCodec(TrimmableKVCodec):
     types = (RotatingKVCache,)
     rows = RotatingKVRows()
     mlx_lm_class = RotatingKVCache
+    shared_blocks = False  # a window's positions are not the entry's tokens in order
 
     def needs_checkpoints(self, layer, n_tokens):
         # A window no longer than the prompt wraps, and a wrapped one cannot trim.

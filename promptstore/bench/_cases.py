@@ -106,6 +106,16 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
             toks[-1] = (int(toks[-1]) + next(rounds)) % 150_000 + 3
             return toks
 
+        # Each put stores new bytes, as a put of a new prompt would: the
+        # cache's KV layers get a value changed in every block (untimed), so
+        # none of their shared blocks is in the store yet.
+        varied: List[Any] = []
+        made = iter(range(7, 1 << 30))
+
+        def new_variant() -> None:
+            varied[:] = []
+            varied.append(data.vary(cache, next(made)))
+
         def drop_older() -> None:
             # Untimed: the store stays at one size, as the reference replaces
             # its file (a store at its byte budget evicts as it puts). The
@@ -113,16 +123,17 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
             # transaction T from T + 2 on; a blob file is unlinked at once).
             if len(last) >= 2:
                 store.delete(MODEL, last.pop(0))
+            new_variant()
 
         def put() -> None:
             toks = variant()
             io0 = write_bytes()
-            store.put(MODEL, toks, cache)
+            store.put(MODEL, toks, varied[0])
             written.append(write_bytes() - io0)
             last.append(toks)
 
         def put_grow() -> None:  # its own store: it must not take the pages the steady puts free
-            grow.put(MODEL, variant(), cache)
+            grow.put(MODEL, variant(), varied[0])
 
         def file_write_grow() -> None:
             path = workdir / f"grow-{len(kept)}.bin"
@@ -174,7 +185,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
         fresh = {
             "put": (drop_older, put),
             "file_write": (unlink(raw), file_write),
-            "put_grow": (None, put_grow),
+            "put_grow": (new_variant, put_grow),
             "file_write_grow": (None, file_write_grow),
             "mlx_save": (unlink(st), mlx_save),
             "get_fresh": (release(True), get),

@@ -89,6 +89,28 @@ def hybrid_cache(shape: Shape, n_tokens: int, seed: int = 0) -> List:
     return cache
 
 
+def vary(cache: Sequence, r: int) -> List:
+    """``cache`` with one value of every 64 tokens of its KV layers changed
+    (by ``r``), the rest shared: stored blocks no longer match, so a put of
+    it writes all its bytes, as a put of a new prompt would."""
+    from mlx_lm.models.cache import KVCache
+
+    out: List[Any] = []
+    for layer in cache:
+        if type(layer) is not KVCache or layer.keys is None:
+            out.append(layer)
+            continue
+        n, width = layer.keys.shape[-2:]
+        mark = np.zeros((n, width), dtype=np.float32)
+        mark[::64, 0] = float(r)
+        delta = mx.array(mark).astype(layer.keys.dtype)
+        new = KVCache()
+        new.keys, new.values, new.offset = layer.keys + delta, layer.values + delta, layer.offset
+        mx.eval(new.keys, new.values)
+        out.append(new)
+    return out
+
+
 def batch_cache(shape: Shape, rows: int, n_tokens: int, seed: int = 0) -> Tuple[List, List[int]]:
     """A batch of ``rows`` left-padded rows (row ``i`` holds ``n_tokens - 32*i``
     tokens): ``BatchKVCache`` for attention layers, promptstore's ``SSMCache``

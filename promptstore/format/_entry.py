@@ -14,7 +14,7 @@ is returned. Sizes are checked before anything is allocated.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -23,11 +23,13 @@ import numpy as np
 import xxhash
 
 from promptstore.format import _blank, _fill
+from promptstore.format._blocks import ADDRESS
 from promptstore.codecs import Encoded, decode_layer
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, StoreError, UnsupportedVersion
 
-FORMAT = 2  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file
-BLOB_FORMAT = 2
+FORMAT = 3  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file,
+BLOB_FORMAT = 2  # 3 also references shared blocks (its payload in LMDB or a blob file)
+BLOCKS_FORMAT = 3
 BLOB_SUFFIX = ".blob"
 CHUNK = 4 * 1024 * 1024 - 16
 MAX_MANIFEST = 64 * 1024 * 1024
@@ -67,6 +69,7 @@ class ArrayRecord:
     offset: int
     nbytes: int
     checksum: int
+    parts: Optional[Tuple[bytes, ...]] = None  # shared block addresses, one per bound (format 3); None: in the payload
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,39 @@ class Manifest:
     entry_id: str
     intact: bool = False  # whether the manifest checksum holds
     blob: Optional[str] = None  # the blob file holding the payload (format 2); None: LMDB chunks
+    bounds: Tuple[int, ...] = ()  # token ends of the shared blocks (format 3)
 
     @property
     def kinds(self) -> Tuple[str, ...]:
         return tuple(layer.kind for layer in self.layers)
+
+    def parted(self) -> Iterator[Tuple[int, ArrayRecord]]:
+        """``(layer index, record)`` of every array kept in shared blocks."""
+        for li, layer in enumerate(self.layers):
+            for rec in layer.arrays:
+                if rec.parts is not None:
+                    yield li, rec
+
+    def blocks(self) -> Iterator[Tuple[bytes, int]]:
+        """``(address, bytes)`` of every shared block reference, repeats included."""
+        for _, rec in self.parted():
+            start = 0
+            row = rec.nbytes // rec.shape[-2] if rec.shape[-2] else 0
+            for key, end in zip(rec.parts or (), self.bounds):
+                yield key, row * (end - start)
+                start = end
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the arrays kept in shared blocks."""
+        return sum(rec.nbytes for _, rec in self.parted())
+
+    def payload_only(self) -> "Manifest":
+        """This manifest without its shared-block arrays: what the payload readers read."""
+        if not self.bounds:
+            return self
+        layers = tuple(replace(layer, arrays=tuple(r for r in layer.arrays if r.parts is None)) for layer in self.layers)
+        return replace(self, layers=layers)
 
 
 def tokens_bytes(tokens: np.ndarray) -> bytes:
@@ -111,24 +143,35 @@ def _host_bytes(a: mx.array) -> memoryview:
     return np.asarray(a).data.cast("B")
 
 
-def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], int]:
+def prepare(
+    layers: Sequence[Encoded], n_tokens: int = 0, shared: Optional[Callable[[Encoded], bool]] = None
+) -> Tuple[List[dict], List[memoryview], int]:
     """Evaluate every array contiguously and lay out the payload.
 
     Returns the manifest's layer records, the byte views in payload order and
     the payload size. The records' checksums are None until
     :func:`add_checksums` fills them in (a put overlaps that with writing).
+
+    With ``shared``, an array of a layer it accepts whose second-to-last axis
+    spans the ``n_tokens`` tokens goes to shared blocks instead: its record
+    gets a 7th element, the evaluated array (the writer replaces it with the
+    block addresses), and it takes no payload bytes.
     """
     flat = [mx.contiguous(a) for enc in layers for a in enc.arrays.values()]
     mx.eval(flat)
     records, views, offset, i = [], [], 0, 0
     for enc in layers:
         arrays = []
+        blocks = shared is not None and n_tokens > 0 and shared(enc)
         for name in enc.arrays:
             a = flat[i]
             i += 1
             dtype = _DTYPE_NAMES.get(a.dtype)
             if dtype is None:
                 raise CorruptEntry(f"kind {enc.kind!r}: array {name!r} has unsupported dtype {a.dtype}")
+            if blocks and a.ndim >= 2 and a.shape[-2] == n_tokens and a.nbytes:
+                arrays.append([name, dtype, list(a.shape), offset, a.nbytes, 0, a])
+                continue
             buf = _host_bytes(a)
             arrays.append([name, dtype, list(a.shape), offset, buf.nbytes, None])
             views.append(buf)
@@ -139,7 +182,7 @@ def prepare(layers: Sequence[Encoded]) -> Tuple[List[dict], List[memoryview], in
 
 def add_checksums(records: List[dict], views: Sequence[memoryview]) -> None:
     """Fill in the checksums :func:`prepare` left out (``views`` in payload order)."""
-    arrays = [a for rec in records for a in rec["arrays"]]
+    arrays = [a for rec in records for a in rec["arrays"] if len(a) == 6]
     for a, view in zip(arrays, views):
         a[5] = xxhash.xxh3_64_intdigest(view)
 
@@ -190,12 +233,13 @@ def pack_manifest(
     meta: Dict[str, Any],
     entry_id: str,
     blob: Optional[str] = None,
+    bounds: Sequence[int] = (),
 ) -> bytes:
     doc = {
         # An entry in LMDB stays format 1, which older readers read; a blob
-        # entry is format 2, which they refuse (fail closed) instead of
-        # reporting its missing chunks as damage.
-        "format": 1 if blob is None else BLOB_FORMAT,
+        # entry is format 2 and one with shared blocks format 3, which they
+        # refuse (fail closed) instead of reporting missing bytes as damage.
+        "format": BLOCKS_FORMAT if bounds else (1 if blob is None else BLOB_FORMAT),
         "model": model,
         "model_name": model_name,
         "tokens": tokens_bytes(tokens),
@@ -208,6 +252,7 @@ def pack_manifest(
         "meta": meta,
         "id": entry_id,
         **({} if blob is None else {"blob": blob}),
+        **({"bounds": list(bounds)} if bounds else {}),
         "check": bytes(8),  # last: the xxh3-64 of every manifest byte before these 8
     }
     try:
@@ -268,7 +313,7 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
     if fmt < 1:
         raise CorruptEntry(f"{where}: entry format {fmt} is invalid")
     blob = None
-    if fmt == BLOB_FORMAT:
+    if fmt == BLOB_FORMAT or (fmt == BLOCKS_FORMAT and "blob" in doc):
         blob = _field(doc, "blob", str, where)
         if not _blob_name(blob):
             raise CorruptEntry(f"{where}: manifest names blob file {blob[:80]!r}, which is not a blob name")
@@ -281,6 +326,7 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
     tok = _field(doc, "tokens", bytes, where)
     if len(tok) % 4:
         raise CorruptEntry(f"{where}: token bytes are not a whole number of uint32")
+    bounds = _bounds(doc, fmt, len(tok) // 4, where)
     payload = _field(doc, "payload", int, where)
     chunks = _field(doc, "chunks", int, where)
     if not 0 <= payload <= MAX_PAYLOAD or chunks != n_chunks(payload):
@@ -295,9 +341,10 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
             raise CorruptEntry(f"{lw}: not a map")
         records = []
         for ra in _field(rl, "arrays", list, lw):
-            if not (isinstance(ra, list) and len(ra) == 6):
+            if not (isinstance(ra, list) and (len(ra) == 6 or (bounds and len(ra) == 7))):
                 raise CorruptEntry(f"{lw}: malformed array record")
-            name, dtype, shape, off, nbytes, checksum = ra
+            name, dtype, shape, off, nbytes, checksum = ra[:6]
+            parts = _parts(ra[6], bounds, shape, lw, name) if len(ra) == 7 else None
             if not (isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)):
                 raise CorruptEntry(f"{lw}: malformed array record")
             if dtype not in DTYPES:
@@ -309,8 +356,9 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
                 raise CorruptEntry(f"{lw}: array {name!r} has malformed location")
             if nbytes != size or off != expect:
                 raise CorruptEntry(f"{lw}: array {name!r} of shape {shape} {dtype} does not match its {nbytes} bytes at {off}")
-            expect += nbytes
-            records.append(ArrayRecord(name, dtype, tuple(shape), off, nbytes, checksum))
+            if parts is None:
+                expect += nbytes
+            records.append(ArrayRecord(name, dtype, tuple(shape), off, nbytes, checksum, parts))
         layers.append(
             LayerRecord(
                 _field(rl, "kind", str, lw),
@@ -334,7 +382,30 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
         entry_id=_field(doc, "id", str, where),
         intact=_intact(doc, raw),
         blob=blob,
+        bounds=bounds,
     )
+
+
+def _bounds(doc: dict, fmt: int, n_tokens: int, where: str) -> Tuple[int, ...]:
+    """The block ends of a format-3 manifest: strictly increasing, ending at the token count."""
+    if fmt != BLOCKS_FORMAT:
+        if "bounds" in doc:
+            raise CorruptEntry(f"{where}: a format {fmt} manifest has block bounds")
+        return ()
+    raw = _field(doc, "bounds", list, where)
+    ok = bool(raw) and all(isinstance(b, int) and not isinstance(b, bool) for b in raw)
+    if not ok or raw[-1] != n_tokens or any(b <= a for a, b in zip([0] + raw, raw)):
+        raise CorruptEntry(f"{where}: block bounds are malformed")
+    return tuple(raw)
+
+
+def _parts(raw: Any, bounds: Tuple[int, ...], shape: Any, lw: str, name: Any) -> Tuple[bytes, ...]:
+    """The block addresses of a shared array: one per bound, over its token axis."""
+    if not (isinstance(raw, list) and len(raw) == len(bounds) and all(isinstance(k, bytes) and len(k) == ADDRESS for k in raw)):
+        raise CorruptEntry(f"{lw}: array {name!r} has malformed block references")
+    if not (isinstance(shape, list) and len(shape) >= 2 and shape[-2] == bounds[-1]):
+        raise CorruptEntry(f"{lw}: array {name!r} of shape {shape} does not span the entry's {bounds[-1]} tokens")
+    return tuple(raw)
 
 
 def _blob_name(name: str) -> bool:

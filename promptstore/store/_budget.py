@@ -7,8 +7,9 @@ budget by more than the entry being written.
 Tables (in the store's LMDB environment):
 
 * ``info[budget]``  u64 byte budget; absent means unlimited.
-* ``info[usage]``   u64 running sum of ``sizes``.
-* ``sizes[ekey]``      u64 bytes an entry accounts for: payload + manifest.
+* ``info[usage]``   u64 running sum of ``sizes`` plus every shared block once.
+* ``sizes[ekey]``      u64 bytes an entry accounts for itself: payload + manifest.
+* ``refs[address]``    u64 reference count + u64 size of a shared block.
 * ``pins[ekey]``       present when the entry is pinned (never evicted).
 * ``used[ekey]``       f64 last use (written by the store; reads are recorded
   in memory and flushed in the next write transaction or on close).
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from promptstore.errors import InvalidInput, StoreFull
-from promptstore.store._schema import BUDGET_KEY, PINS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
+from promptstore.store._schema import BUDGET_KEY, PINS, REFS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
 
 Unlink = Callable[[Any, bytes, Optional[bytes]], None]
 
@@ -89,27 +90,44 @@ def account(txn, db: Tables, ekey: bytes, size: int) -> None:
     _set_usage(txn, db, usage(txn, db) + size)
 
 
-def admit(txn, db: Tables, ekey: bytes, size: int, unlink: Unlink, where: str) -> List[bytes]:
-    """Account a new entry and evict LRU entries until usage fits the budget.
+def admit(
+    txn, db: Tables, ekey: bytes, size: int, unlink: Unlink, where: str, freed: Optional[Freed] = None, footprint: int = 0
+) -> List[bytes]:
+    """Account a new entry of ``size`` bytes of its own and evict LRU entries
+    until usage fits the budget. ``footprint``: what the entry needs stored
+    alone, its shared blocks included.
 
     Raises:
         StoreFull: the entry alone is larger than the budget (nothing is written).
     """
     budget = get_budget(txn, db)
-    if budget is not None and size > budget:
+    need = max(size, footprint)
+    if budget is not None and need > budget:
         raise StoreFull(
-            f"{where}: an entry of {size} bytes cannot fit the store's budget of {budget} bytes; "
+            f"{where}: an entry of {need} bytes cannot fit the store's budget of {budget} bytes; "
             "raise it with `promptstore gc --budget BYTES` or store a shorter prompt"
         )
     account(txn, db, ekey, size)
     if budget is None:
         return []
-    return evict(txn, db, budget, {ekey}, unlink)
+    return evict(txn, db, budget, {ekey}, unlink, freed)
 
 
-def plan(txn, db: Tables, budget: int, keep: Set[bytes]) -> Tuple[List[Tuple[bytes, int]], int]:
+def add_usage(txn, db: Tables, delta: int) -> None:
+    """Count ``delta`` more (or, negative, fewer) stored bytes: shared blocks."""
+    _set_usage(txn, db, usage(txn, db) + delta)
+
+
+Freed = Callable[[bytes], int]  # entry key -> bytes its removal frees (given the removals before it)
+
+
+def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Optional[Freed] = None) -> Tuple[List[Tuple[bytes, int]], int]:
     """Entries to evict to reach ``budget``, least recently used first, and
-    the usage after evicting them. Pinned entries and ``keep`` are spared."""
+    the usage after evicting them. Pinned entries and ``keep`` are spared.
+
+    ``freed(ekey)`` says what removing an entry frees, its shared blocks
+    included, after the entries planned before it (without it: the entry's
+    own size)."""
     now = usage(txn, db)
     if now <= budget:
         return [], now
@@ -119,20 +137,20 @@ def plan(txn, db: Tables, budget: int, keep: Set[bytes]) -> Tuple[List[Tuple[byt
         k = bytes(k)
         if k in keep or is_pinned(txn, db, k):
             continue
-        ts = txn.get(k, db=used)
-        order.append((f64_or(ts, 0.0), k, u64_or(raw)))
+        order.append((f64_or(txn.get(k, db=used), 0.0), k, u64_or(raw)))
     order.sort()
     victims = []
     for _, k, size in order:
         if now <= budget:
             break
-        victims.append((k, size))
-        now -= size
+        gain = freed(k) if freed is not None else size
+        victims.append((k, gain))
+        now -= gain
     return victims, now
 
 
-def evict(txn, db: Tables, budget: int, keep: Set[bytes], unlink: Unlink) -> List[bytes]:
-    victims, _ = plan(txn, db, budget, keep)
+def evict(txn, db: Tables, budget: int, keep: Set[bytes], unlink: Unlink, freed: Optional[Freed] = None) -> List[bytes]:
+    victims, _ = plan(txn, db, budget, keep, freed)
     entries = db.entries
     for k, _ in victims:
         unlink(txn, k, txn.get(k, db=entries))
@@ -160,6 +178,27 @@ def recount(txn, db: Tables, manifest_size: Callable[[bytes, bytes], Optional[in
         stale = [bytes(k) for k in txn.cursor(db=db[table]).iternext(keys=True, values=False) if bytes(k) not in live]
         for k in stale:
             txn.delete(k, db=db[table])
-    total = sum(live.values())
+    total = sum(live.values()) + block_bytes(txn, db)
     _set_usage(txn, db, total)
     return total
+
+
+def block_bytes(txn, db: Tables) -> int:
+    """Bytes of every stored shared block, each once."""
+    if REFS not in db:
+        return 0
+    return sum(ref_size(raw) for raw in txn.cursor(db=db.refs).iternext(keys=False, values=True))
+
+
+def ref_count(raw: Any) -> int:
+    """The reference count of a ``refs`` record (0 when absent or damaged)."""
+    return U64.unpack(bytes(raw[:8]))[0] if raw is not None and len(raw) == 16 else 0
+
+
+def ref_size(raw: Any) -> int:
+    """The block size a ``refs`` record holds."""
+    return U64.unpack(bytes(raw[8:16]))[0] if raw is not None and len(raw) == 16 else 0
+
+
+def ref_value(count: int, size: int) -> bytes:
+    return U64.pack(count) + U64.pack(size)

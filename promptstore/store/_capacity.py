@@ -86,7 +86,7 @@ class Capacity:
     def _plan(self, txn, budget: Optional[int]) -> GcReport:
         if budget is None:
             return GcReport((), 0, _budget.usage(txn, self._db), None, True)
-        victims, after = _budget.plan(txn, self._db, budget, set())
+        victims, after = _budget.plan(txn, self._db, budget, set(), self._writer.freed_by(txn))
         return GcReport(tuple(_keys.entry_id(k) for k, _ in victims), sum(s for _, s in victims), after, budget, True)
 
     def _evict(self, txn, budget: Optional[int], plan: Optional[GcReport]) -> GcReport:
@@ -97,7 +97,7 @@ class Capacity:
         elif budget is None:
             return GcReport((), 0, _budget.usage(txn, self._db), None, False)
         else:
-            victims, _ = _budget.plan(txn, self._db, budget, set())
+            victims, _ = _budget.plan(txn, self._db, budget, set(), self._writer.freed_by(txn))
         for k, _ in victims:
             self._writer.unlink(txn, k, txn.get(k, db=self._db.entries))
         self._usage.forget(k for k, _ in victims)

@@ -59,11 +59,12 @@ class Catalog:
             model_name=man.model_name,
             n_tokens=len(man.tokens),
             kinds=man.kinds,
-            nbytes=man.payload,
+            nbytes=man.payload + man.shared_bytes,
             created=utc(man.created),
             last_used=utc(self._usage.last_used(ekey, used)),
             trimmable=man.trimmable,
             meta=man.meta,
+            shared=man.shared_bytes,
         )
 
     def listing(self, txn, model: Optional[str]) -> List[EntryInfo]:

@@ -1,6 +1,10 @@
 """Reading entries: manifests, and the one place that picks how a payload is read.
 
-An entry's payload is read in one of three ways, chosen by :meth:`Reader.restore`:
+An entry's arrays in shared blocks (format 3) are assembled from their blocks,
+each verified against its address, straight into fresh mlx buffers (one
+copy); a prefix restore reads only the blocks the prefix needs. The rest of
+an entry, its own payload, is read in one of three ways, chosen by
+:meth:`Reader.restore`:
 
 * a blob file (``format._blobs``), for entries whose manifest names one;
 * LMDB chunks copied out of the map, for small payloads;
@@ -23,8 +27,10 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, TypeVar
 
+import numpy as np
+
 from promptstore.errors import CorruptEntry, PromptStoreError
-from promptstore.format import _blobs, _entry, _fill, _pages
+from promptstore.format import _blank, _blobs, _blocks, _entry, _fill, _pages
 from promptstore.store import _keys
 from promptstore.store._env import Env
 from promptstore.store._schema import Tables, chunk_key
@@ -92,9 +98,17 @@ class Reader:
         chunk's presence and length.
         """
         where = f"{self.path} entry {man.entry_id}"
-        return _entry.decode_layers(man, self._payload(txn, ekey, man, where, remembered), where)
+        large = man.payload + man.shared_bytes >= _pages.MIN_PAYLOAD
+        arrays = self._payload(txn, ekey, man.payload_only(), where, remembered, large)
+        if man.bounds:
+            self._assemble(txn, man, arrays, where)
+        return _entry.decode_layers(man, arrays, where)
 
-    def _payload(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool) -> List[Dict[str, Any]]:
+    def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str) -> None:
+        blocks = self._db.blocks
+        assemble(lambda key: txn.get(key, db=blocks), man, arrays, where, self._env.data_file().release)
+
+    def _payload(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool, large: bool) -> List[Dict[str, Any]]:
         if man.blob is not None:
             return self._blobs.read(man, where)
         chunks = self._db.chunks
@@ -102,7 +116,7 @@ class Reader:
         def get_chunk(i: int) -> Any:
             return txn.get(chunk_key(ekey, i), db=chunks)
 
-        if man.payload < _pages.MIN_PAYLOAD:
+        if not large or not man.chunks:  # a small restore: the map scan, fd and threads are not worth it
             return _entry.read_arrays(man, get_chunk, where)
         return self._read_large(ekey, man, get_chunk, where, remembered)
 
@@ -143,3 +157,39 @@ class Reader:
         if min(len(b) for b in bufs) >= _pages._PAGE:
             data.remember(key, located)
         return arrays
+
+
+def assemble(
+    get_block: Callable[[bytes], Any],
+    man: _entry.Manifest,
+    arrays: List[Dict[str, Any]],
+    where: str,
+    release: Optional[Callable[[Any], None]] = None,
+) -> None:
+    """Fill in ``arrays`` (per layer, as the payload readers return them) the
+    arrays ``man`` keeps in shared blocks: each block, from ``get_block(address)``
+    (None: missing), is checked against its address and copied once, into a
+    fresh mlx buffer. ``release(buf)`` drops a block's pages from the process's
+    mapping once it is copied (fetching a value maps all of its pages).
+
+    Raises:
+        CorruptEntry: a block is missing or damaged.
+    """
+    parted = list(man.parted())
+    dests = _blank.blank([rec.nbytes for _, rec in parted])
+    for (li, rec), dest in zip(parted, dests):
+        layer = man.layers[li]
+        size = _entry.DTYPES[rec.dtype].size
+        rows = np.asarray(dest).reshape(-1, rec.shape[-2], rec.shape[-1] * size)
+        start = 0
+        for key, end in zip(rec.parts or (), man.bounds):
+            raw = get_block(key)
+            if raw is None:
+                raise CorruptEntry(f"{where}: layer {li} array {rec.name!r}: block {key.hex()} is missing")
+            shape = _blocks.block_shape(rec.shape, start, end)
+            _blocks.check(key, layer.kind, layer.version, rec.dtype, shape, size, raw, where)
+            rows[:, start:end, :] = np.frombuffer(raw, dtype=np.uint8).reshape(rows.shape[0], end - start, rows.shape[2])
+            if release is not None:
+                release(raw)
+            start = end
+        arrays[li][rec.name] = dest.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)

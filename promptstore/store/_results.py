@@ -25,6 +25,12 @@ class EntryInfo:
     last_used: datetime
     trimmable: bool
     meta: Dict[str, Any] = field(default_factory=dict)
+    shared: int = 0  # of nbytes, the bytes in blocks stored once for every entry that has them
+
+    @property
+    def own(self) -> int:
+        """Bytes of this entry's arrays that no other entry can share."""
+        return self.nbytes - self.shared
 
 
 @dataclass(frozen=True)
@@ -49,10 +55,12 @@ class VerifyReport:
     orphan_chunks: int
     fixed: bool
     orphan_blobs: int = 0  # blob files no entry names: leftovers of killed puts, not damage
+    bad_counts: int = 0  # shared blocks whose reference count is not the number of references
+    orphan_blocks: int = 0  # shared blocks no entry references
 
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.orphan_chunks
+        return not self.problems and not self.orphan_chunks and not self.bad_counts and not self.orphan_blocks
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 from promptstore.format import _blobs, _entry
 from promptstore.store import _budget, _keys
 from promptstore.store._env import Env, live_dir, pages_needed
+from promptstore.store._read import assemble
 from promptstore.store._results import SalvageReport
 from promptstore.store._schema import (
-    CHUNKS, DUPSORT, ENTRIES, ENTRY_KEY, IDS, PINS, SIZES, TABLES, USED, Tables, chunk_key, owner_of_chunk,
+    BLOCKS, CHUNKS, DUPSORT, ENTRIES, ENTRY_KEY, IDS, PINS, SIZES, TABLES, USED, Tables, chunk_key, owner_of_chunk,
 )
 from promptstore.store._usage import Usage
 from promptstore.store._write import EntryWriter
@@ -89,7 +90,8 @@ def _candidates(env, dbs) -> Tuple[List[bytes], List[str]]:
 
 
 def _read_entry(env, dbs, ekey: bytes, src: Path):
-    """``(raw manifest, chunks, last used, pinned)`` of an intact entry."""
+    """``(raw manifest, manifest, chunks, blocks, last used, pinned)`` of an intact entry
+    (``blocks``: address -> bytes of each shared block it references)."""
     where = f"{src} entry {_keys.entry_id(ekey)}"
     with env.begin(buffers=True) as txn:
         raw = txn.get(ekey, db=dbs.entries)
@@ -99,19 +101,29 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
         man = _entry.unpack_manifest(raw, where)
         if man.entry_id != _keys.entry_id(ekey) or _keys.entry_key(_keys.model_id(man.model), man.tokens) != ekey:
             raise PromptStoreError("manifest does not match its key")
+        own = man.payload_only()
         if man.blob is not None:
-            arrays = _blobs.Blobs(src).read(man, where)
+            arrays = _blobs.Blobs(src).read(own, where)
             chunks = []
         else:
             chunks = [txn.get(chunk_key(ekey, i), db=dbs.chunks) for i in range(man.chunks)]
-            arrays = _entry.read_arrays(man, lambda i: chunks[i], where)
+            arrays = _entry.read_arrays(own, lambda i: chunks[i], where)
+        blocks: Dict[bytes, bytes] = {}
+
+        def block(key: bytes) -> Any:
+            found = txn.get(key, db=dbs.blocks) if BLOCKS in dbs else None
+            if found is not None:
+                blocks[key] = bytes(found)
+            return found
+
+        assemble(block, man, arrays, where)
         _entry.decode_layers(man, arrays, where)
         if not man.intact:
             raise PromptStoreError("manifest checksum mismatch")
         chunks = [bytes(c) for c in chunks]
         used = txn.get(ekey, db=dbs.used) if USED in dbs else None
         pinned = PINS in dbs and txn.get(ekey, db=dbs.pins) is not None
-    return raw, man, chunks, (bytes(used) if used is not None else None), pinned
+    return raw, man, chunks, blocks, (bytes(used) if used is not None else None), pinned
 
 
 def salvage(src, dst) -> SalvageReport:
@@ -151,16 +163,18 @@ def salvage(src, dst) -> SalvageReport:
             for ekey in ekeys:
                 eid = _keys.entry_id(ekey)
                 try:
-                    raw, man, chunks, used, pinned = _read_entry(env, dbs, ekey, src)
+                    raw, man, chunks, blocks, used, pinned = _read_entry(env, dbs, ekey, src)
                 except Exception as err:  # lmdb errors on damaged pages included: skip, keep going
                     skipped.append((eid, f"{type(err).__name__}: {err}"))
                     continue
 
-                def write(txn, ekey=ekey, raw=raw, man=man, chunks=chunks, used=used, pinned=pinned) -> None:
+                refs = [(key, lambda data=blocks[key]: data, size) for key, size in man.blocks()]
+
+                def write(txn, ekey=ekey, raw=raw, man=man, chunks=chunks, used=used, pinned=pinned, refs=refs) -> None:
                     if man.blob is not None and not blobs.path(man.blob).exists():
                         blobs.copy_in(src_blobs.path(man.blob), man.blob)  # under the writer lock, as a put
                     stamp = used if used is not None and len(used) == 8 else None
-                    writer.add(txn, ekey, man.tokens, man.trimmable, raw, chunks, stamp, man.payload + len(raw), pinned, evict=False)
+                    writer.add(txn, ekey, man.tokens, man.trimmable, raw, chunks, stamp, man.payload + len(raw), pinned, evict=False, blocks=refs)
 
                 out.write(write)
                 copied.append(eid)

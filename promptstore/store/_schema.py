@@ -16,13 +16,23 @@ info        ``format``, ``budget``, ``usage``,         u64
             ``stat:<counter>``
 pins        entry key                                  empty: present when pinned
 sizes       entry key                                  u64 bytes the entry accounts for
+blocks      block address (16 bytes, see format._blocks)  a shared block's bytes
+refs        block address                              u64 references from manifests, u64 block bytes
 ==========  =========================================  ==============================================
 
 Key layouts (all integers big-endian, so keys sort by number):
 
 * entry key (36 bytes): model id (16) + digest of the token bytes (16) + u32 token count;
 * node key (28 bytes): model id (16) + u64 prefix hash + u32 block number;
-* chunk key (40 bytes): entry key + u32 chunk number.
+* chunk key (40 bytes): entry key + u32 chunk number;
+* block address (16 bytes): xxh3-128 of a shared block's kind, version, dtype, shape and bytes.
+
+A block is stored once and counted in ``refs`` once per reference from a
+manifest (an array of an entry names one block per token range); the count
+is changed in the transaction that writes or removes the manifest, and a
+block whose count reaches zero is removed with it. ``sizes`` counts an
+entry's own bytes (payload and manifest); ``info[usage]`` adds every stored
+block once.
 
 The prefix index (``nodes``, ``ends``, ``segs``) is explained in ``_index``.
 """
@@ -48,9 +58,11 @@ IDS = b"ids"
 INFO = b"info"
 PINS = b"pins"
 SIZES = b"sizes"
-TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES)
+BLOCKS = b"blocks"
+REFS = b"refs"
+TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES, BLOCKS, REFS)
 DUPSORT = frozenset({ENDS, SEGS})
-OPTIONAL = frozenset({PINS, SIZES})  # absent from stores older than them; opened read-only, they may be missing
+OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS})  # absent from stores older than them; opened read-only, they may be missing
 
 # Keys of the ``info`` table.
 FORMAT_KEY = b"format"
@@ -141,3 +153,5 @@ class Tables:
     info = property(lambda self: self._handles[INFO])
     pins = property(lambda self: self._handles[PINS])
     sizes = property(lambda self: self._handles[SIZES])
+    blocks = property(lambda self: self._handles[BLOCKS])
+    refs = property(lambda self: self._handles[REFS])

@@ -57,12 +57,25 @@ class PromptStore:
         readonly: open without write access.
         budget: a byte budget to set and remember in the store (see
             :meth:`set_budget`); None keeps the stored one.
+        shared_blocks: keep the KV arrays of what this instance puts in
+            content-addressed blocks that entries sharing a prefix share
+            (entry format 3, see ``promptstore.format._blocks``); None reads
+            ``$PROMPTSTORE_SHARED_BLOCKS`` (``1``: on). Off by default for
+            now. Entries of either layout are read either way.
 
     One instance serves any number of threads; other processes may open the
     same path at the same time. Never use an instance across ``fork()``.
     """
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False, budget: Optional[int] = None):
+    def __init__(
+        self,
+        path: Union[str, os.PathLike, None] = None,
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        readonly: bool = False,
+        budget: Optional[int] = None,
+        shared_blocks: Optional[bool] = None,
+    ):
         self.path = Path(path).expanduser() if path is not None else default_path()
         env = Env(self.path, map_size=map_size, readonly=readonly)
         self._env: Optional[Env] = env
@@ -71,7 +84,9 @@ class PromptStore:
         self._blobs = _blobs.Blobs(self.path)
         self._usage = Usage(tables)
         self._reader = Reader(self.path, env, tables, self._blobs)
-        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._usage)
+        if shared_blocks is None:
+            shared_blocks = os.environ.get("PROMPTSTORE_SHARED_BLOCKS") == "1"
+        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._usage, shared_blocks)
         self._catalog = Catalog(self.path, tables, self._usage)
         self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._reader, self._writer)
         self._capacity = Capacity(self.path, env, tables, self._usage, self._catalog, self._writer, self._maintenance)
@@ -185,11 +200,12 @@ class PromptStore:
             model_name=name,
             n_tokens=n,
             kinds=tuple(e.kind for e in encoded),
-            nbytes=done.payload,
+            nbytes=done.payload + done.shared,
             created=utc(done.created),
             last_used=utc(done.created),
             trimmable=trimmable,
             meta=dict(meta or {}),
+            shared=done.shared,
         )
 
     def put_row(self, model: str, tokens: _keys.Tokens, batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None) -> EntryInfo:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError
 from promptstore.format import _blobs, _entry
-from promptstore.store import _index, _keys
+from promptstore.store import _budget, _index, _keys
 from promptstore.store._env import Env
 from promptstore.store._read import Reader
 from promptstore.store._results import VerifyReport
@@ -40,6 +41,7 @@ class Maintenance:
                 bytes(k) for k in txn.cursor(db=db.chunks).iternext(keys=True, values=False) if owner_of_chunk(bytes(k)) not in known
             ]
             stray = self.stray_blobs(txn)
+            counts = self._counts(txn)
         checked = 0
         for ekey in keys:
             eid = _keys.entry_id(ekey)
@@ -64,7 +66,7 @@ class Maintenance:
                 problems.append((eid, str(err)))
                 if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
                     bad[ekey] = raw
-        if fix and (bad or orphans or stray):
+        if fix and (bad or orphans or stray or counts.wrong or counts.orphans):
             def write(txn) -> None:
                 for ekey, raw in bad.items():
                     now = txn.get(ekey, db=db.entries)
@@ -75,9 +77,58 @@ class Maintenance:
                         txn.delete(k, db=db.chunks)
                 self.rebuild_index(txn)
                 self.sweep_blobs(txn)
+                self.recount_blocks(txn)
+                _budget.recount(txn, db, _own_size)
 
             self._env.write(write)
-        return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray))
+        return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans))
+
+    def _counts(self, txn) -> "_Counts":
+        """How the stored reference counts differ from the references the manifests make."""
+        want, unreadable = self._references(txn)
+        db = self._db
+        have = {bytes(k): _budget.ref_count(v) for k, v in txn.cursor(db=db.refs)}
+        stored = {bytes(k) for k in txn.cursor(db=db.blocks).iternext(keys=True, values=False)}
+        wrong = sorted(k for k in set(want) | set(have) if want.get(k, 0) != have.get(k, 0) and (want.get(k, 0) or not unreadable))
+        orphans = sorted(k for k in stored if k not in want) if not unreadable else []
+        return _Counts(wrong, orphans)
+
+    def _references(self, txn) -> Tuple[Dict[bytes, int], bool]:
+        """References to each block from every readable manifest, and whether
+        some manifest could not be read (then nothing may be freed: it may
+        reference blocks too)."""
+        want: Dict[bytes, int] = {}
+        unreadable = False
+        for k, raw in txn.cursor(db=self._db.entries):
+            try:
+                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k)))
+            except PromptStoreError:
+                unreadable = True
+                continue
+            for key, _ in man.blocks():
+                want[key] = want.get(key, 0) + 1
+        return want, unreadable
+
+    def recount_blocks(self, txn) -> None:
+        """Set every block's reference count to the references the manifests
+        make; remove blocks no manifest references (none while a manifest
+        cannot be read: it may reference them). A block referenced but not
+        stored keeps its count at zero: its entries read as damaged."""
+        db = self._db
+        want, unreadable = self._references(txn)
+        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=db.blocks)}
+        for key in [bytes(k) for k in txn.cursor(db=db.refs).iternext(keys=True, values=False)]:
+            if key not in want and not unreadable:
+                txn.delete(key, db=db.refs)
+        for key, count in want.items():
+            if key in sizes:
+                txn.put(key, _budget.ref_value(count, sizes[key]), db=db.refs)
+            else:
+                txn.delete(key, db=db.refs)
+        if not unreadable:
+            for key in sizes:
+                if key not in want:
+                    txn.delete(key, db=db.blocks)
 
     def _still(self, ekey: bytes, raw: Optional[bytes]) -> bool:
         """Whether the entry at ``ekey`` still has the manifest ``raw`` (a new snapshot)."""
@@ -126,3 +177,16 @@ class Maintenance:
 
             self._env.after_commit(unlink)
         return len(stray)
+
+
+@dataclass(frozen=True)
+class _Counts:
+    wrong: List[bytes]  # blocks whose stored count is not the number of references
+    orphans: List[bytes]  # stored blocks nothing references
+
+
+def _own_size(ekey: bytes, raw: bytes) -> Optional[int]:
+    try:
+        return _entry.unpack_manifest(raw, _keys.entry_id(ekey)).payload + len(raw)
+    except PromptStoreError:
+        return None

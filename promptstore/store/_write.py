@@ -7,25 +7,31 @@ manifest last, so an entry is visible whole or not at all;
 :meth:`EntryWriter.unlink` undoes every record ``add`` wrote.
 
 Records of one entry (tables in ``_schema``): payload chunks (or a blob file
-that the manifest names), prefix index, last use, id, size accounting, pin,
-and the manifest.
+that the manifest names), references to shared blocks (a block the store
+lacks is written, one it has only counted), prefix index, last use, id, size
+accounting, pin, and the manifest.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
+from promptstore.codecs import codec_for_kind
 from promptstore.errors import PromptStoreError
-from promptstore.format import _blobs, _entry, _fill
+from promptstore.format import _blobs, _blocks, _entry, _fill
+from promptstore.format._entry import Encoded, Manifest
 from promptstore.store import _budget, _index, _keys
 from promptstore.store._env import Env
 from promptstore.store._schema import F64, Tables, chunk_key, model_of, owner_of_chunk
 from promptstore.store._usage import Usage
+
+Block = Tuple[bytes, Callable[[], Any], int]  # address, its bytes (made on demand), size
 
 
 @dataclass(frozen=True)
@@ -34,18 +40,21 @@ class Written:
 
     entry_id: str
     created: float
-    payload: int
+    payload: int  # the entry's own array bytes
+    shared: int = 0  # array bytes in shared blocks
+    written: int = 0  # bytes of the blocks this put added (the rest were stored already)
 
 
 class EntryWriter:
     """Adds and removes entries of one store."""
 
-    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs, usage: Usage):
+    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs, usage: Usage, shared_blocks: bool = False):
         self.path = path
         self._env = env
         self._db = tables
         self._blobs = blobs
         self._usage = usage
+        self.shared_blocks = shared_blocks  # puts keep KV arrays in shared blocks (format 3)
 
     # -- inside a write transaction ---------------------------------------------
 
@@ -61,13 +70,16 @@ class EntryWriter:
         size: Optional[int] = None,
         pinned: bool = False,
         evict: bool = True,
-    ) -> None:
+        blocks: Sequence[Block] = (),
+    ) -> int:
         """Write one entry: ``chunks`` (empty when a blob file holds the
         payload), its index records, last use (``used``, f64 bytes; None writes none), id, size
         (``size``, else the manifest's payload plus its own length), pin, and
-        the manifest last. An entry at ``ekey`` is replaced (its pin kept).
-        With ``evict``, least-recently-used entries go to make room within the
-        budget, in this same transaction.
+        the manifest last. ``blocks`` are the shared blocks the manifest
+        references, once per reference: each is counted, and written when the
+        store lacks it. An entry at ``ekey`` is replaced (its pin kept). With
+        ``evict``, least-recently-used entries go to make room within the
+        budget, in this same transaction. Returns the bytes of blocks written.
 
         Raises:
             StoreFull: the entry alone is larger than the budget.
@@ -78,6 +90,7 @@ class EntryWriter:
             self.unlink(txn, ekey, bytes(old))
         for i, chunk in enumerate(chunks):
             txn.put(chunk_key(ekey, i), chunk, db=db.chunks)
+        written = self._reference(txn, blocks)
         _index.add(txn, db, model_of(ekey), tokens, _keys.prefix_hashes(tokens), ekey, trimmable)
         if used is not None:
             txn.put(ekey, used, db=db.used)
@@ -85,12 +98,65 @@ class EntryWriter:
         self._usage.flush_in(txn)
         nbytes = size if size is not None else len(manifest)
         if evict:
-            _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path))
+            footprint = nbytes + sum({key: size for key, _, size in blocks}.values())
+            _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path), self.freed_by(txn), footprint)
         else:
             _budget.account(txn, db, ekey, nbytes)
         if pinned:
             txn.put(ekey, b"", db=db.pins)
         txn.put(ekey, manifest, db=db.entries)  # last: the entry is visible whole or not at all
+        return written
+
+    def _reference(self, txn, blocks: Sequence[Block]) -> int:
+        """Count one more reference to each block, writing those the store lacks."""
+        db = self._db
+        written = 0
+        for key, data, size in blocks:
+            raw = txn.get(key, db=db.refs)
+            count = _budget.ref_count(raw)
+            if count == 0:
+                txn.put(key, data(), db=db.blocks)
+                written += size
+            txn.put(key, _budget.ref_value(count + 1, size), db=db.refs)
+        if written:
+            _budget.add_usage(txn, db, written)
+        return written
+
+    def _release(self, txn, man: Manifest) -> None:
+        """Drop one reference to each block of ``man``; remove blocks no entry references."""
+        db = self._db
+        freed = 0
+        for key, _ in man.blocks():
+            raw = txn.get(key, db=db.refs)
+            count = _budget.ref_count(raw)
+            if count > 1:
+                txn.put(key, _budget.ref_value(count - 1, _budget.ref_size(raw)), db=db.refs)
+            elif raw is not None:
+                txn.delete(key, db=db.refs)
+                txn.delete(key, db=db.blocks)
+                freed += _budget.ref_size(raw)
+        if freed:
+            _budget.add_usage(txn, db, -freed)
+
+    def freed_by(self, txn) -> _budget.Freed:
+        """What evicting an entry frees, its blocks included, given those planned before it."""
+        dropped: Dict[bytes, int] = {}
+
+        def freed(ekey: bytes) -> int:
+            total = _budget.size_of(txn, self._db, ekey)
+            raw = txn.get(ekey, db=self._db.entries)
+            try:
+                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(ekey)) if raw is not None else None
+            except PromptStoreError:
+                man = None
+            for key, _ in man.blocks() if man is not None else ():
+                dropped[key] = dropped.get(key, 0) + 1
+                ref = txn.get(key, db=self._db.refs)
+                if _budget.ref_count(ref) == dropped[key]:
+                    total += _budget.ref_size(ref)
+            return total
+
+        return freed
 
     def unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> None:
         """Remove every record of an entry but its pin (a replaced entry keeps it).
@@ -107,8 +173,9 @@ class EntryWriter:
                 man = _entry.unpack_manifest(bytes(raw_manifest), eid)
                 _index.remove(txn, db, model_of(ekey), man.tokens, _keys.prefix_hashes(man.tokens), ekey)
             except PromptStoreError:
-                pass  # damaged manifest: its index records become harmless dead ends (its blob, a leftover)
+                pass  # damaged manifest: its index records become harmless dead ends (its blob and blocks, leftovers)
             else:
+                self._release(txn, man)
                 if man.blob is not None and man.blob.startswith(eid + "-"):
                     blob = man.blob
                     self._env.after_commit(lambda: self._blobs.unlink(blob))
@@ -133,40 +200,53 @@ class EntryWriter:
         model: str,
         model_name: str,
         toks: np.ndarray,
-        encoded: Sequence[Any],
+        encoded: Sequence[Encoded],
         trimmable: bool,
         meta: Dict[str, Any],
     ) -> Written:
         """Write an entry of ``encoded`` layers in one write transaction.
 
-        A payload of at least ``_blobs.MIN_PAYLOAD`` bytes goes to a blob
-        file, written and fsynced under the writer lock inside the
-        transaction that commits its manifest (see ``format._blobs``).
+        With ``shared_blocks``, the arrays of layers whose codec allows it go
+        to shared blocks, cut at the bounds of the stored entry that shares the
+        longest prefix with this one (see ``format._blocks``): only blocks the
+        store lacks are written. The rest is the entry's own payload; one of
+        at least ``_blobs.MIN_PAYLOAD`` bytes goes to a blob file, written and
+        fsynced under the writer lock inside the transaction that commits its
+        manifest (see ``format._blobs``).
 
         Raises:
             InvalidInput: ``meta`` cannot be serialised (before any write).
             StoreFull: no room (nothing was written).
         """
-        records, views, payload = _entry.prepare(encoded)
+        n = len(toks)
+        shared_kind = (lambda enc: codec_for_kind(enc.kind).shared_blocks) if self.shared_blocks else None
+        records, views, payload = _entry.prepare(encoded, n, shared_kind)
         blob = payload >= _blobs.MIN_PAYLOAD
         # A blob entry's checksums are computed while its file is written.
         hashing = _fill.submit(_entry.add_checksums, records, views) if blob else None
         if not blob:
             _entry.add_checksums(records, views)
-        ekey = _keys.entry_key(_keys.model_id(model), toks)
+        mid = _keys.model_id(model)
+        ekey = _keys.entry_key(mid, toks)
         eid = _keys.entry_id(ekey)
+        bounds: Tuple[int, ...] = ()
+        blocks: List[Block] = []
+        shared = 0
+        if any(len(a) == 7 for rec in records for a in rec["arrays"]):
+            bounds = _blocks.plan_bounds(*self._base(model, mid, toks), n)
+            blocks, shared = _cut(records, bounds)
         now = time.time()
         written: List[str] = []  # blob files this put wrote (one per attempt)
 
         def pack(blob_name: Optional[str]) -> bytes:
             return _entry.pack_manifest(
                 model=model, model_name=model_name, tokens=toks, layers=records, payload=payload,
-                created=now, trimmable=trimmable, meta=meta, entry_id=eid, blob=blob_name,
+                created=now, trimmable=trimmable, meta=meta, entry_id=eid, blob=blob_name, bounds=bounds,
             )
 
         manifest = pack(None)  # bad meta fails here, before any write (a blob entry's is packed again)
 
-        def write(txn) -> None:
+        def write(txn) -> int:
             chunks: Iterable[Any] = ()
             man = manifest
             if hashing is not None:
@@ -181,10 +261,10 @@ class EntryWriter:
                 man = pack(name)
             else:
                 chunks = _entry.iter_chunks(views, payload)
-            self.add(txn, ekey, toks, trimmable, man, chunks, F64.pack(now), payload + len(man))
+            return self.add(txn, ekey, toks, trimmable, man, chunks, F64.pack(now), payload + len(man), blocks=blocks)
 
         try:
-            self._env.write(write)
+            new = self._env.write(write)
         except BaseException:
             # An interrupt can land after the commit (a signal is handled at the
             # next bytecode): the file the committed manifest names stays.
@@ -192,7 +272,25 @@ class EntryWriter:
                 if not self._names_blob(ekey, name):
                     self._blobs.unlink(name)
             raise
-        return Written(eid, now, payload)
+        return Written(eid, now, payload, shared, new)
+
+    def _base(self, model: str, mid: bytes, toks: np.ndarray) -> Tuple[Tuple[int, ...], int]:
+        """The block bounds of the stored entry sharing the longest prefix
+        with ``toks``, and the length of that prefix (``((), 0)``: none).
+        Read from a snapshot before the write: a stale answer only costs
+        blocks that are not shared."""
+        with self._env.read() as txn:
+            def manifest(key: bytes) -> Optional[Manifest]:
+                raw = txn.get(key, db=self._db.entries)
+                try:
+                    return _entry.unpack_manifest(bytes(raw), _keys.entry_id(key)) if raw is not None else None
+                except PromptStoreError:
+                    return None
+
+            for _key, matched, man in _index.candidates(txn, self._db, mid, toks, manifest):
+                if man.model == model and man.bounds:
+                    return man.bounds, matched
+        return (), 0
 
     def _names_blob(self, ekey: bytes, name: str) -> bool:
         """Whether the committed entry at ``ekey`` names blob file ``name``
@@ -204,3 +302,32 @@ class EntryWriter:
         except BaseException:
             return True
         return man is not None and man.blob == name
+
+
+def _cut(records: List[dict], bounds: Tuple[int, ...]) -> Tuple[List[Block], int]:
+    """Replace each shared array in ``records`` (a 7th element: the array) by
+    its block addresses; return the blocks, once per reference, and their bytes."""
+    blocks: List[Block] = []
+    total = 0
+    for rec in records:
+        for a in rec["arrays"]:
+            if len(a) != 7:
+                continue
+            host = _blocks.host(a[6])
+            rows = host.reshape(-1, host.shape[-2], host.shape[-1])
+            keys, start = [], 0
+            for end in bounds:
+                part = rows[:, start:end, :]
+                shape = _blocks.block_shape(a[2], start, end)
+                key = _blocks.address(rec["kind"], rec["version"], a[1], shape, part)
+                blocks.append((key, functools.partial(_contiguous, part), part.nbytes))
+                keys.append(key)
+                start = end
+            total += a[4]
+            a[6] = keys
+    return blocks, total
+
+
+def _contiguous(part: np.ndarray) -> memoryview:
+    """A block's bytes in C order (a copy of a strided view; made only for blocks the store lacks)."""
+    return np.ascontiguousarray(part).data

@@ -1,0 +1,103 @@
+"""Shared blocks: the sequence arrays of KV layers cut along their token axis.
+
+An entry's KV arrays (``[..., tokens, width]``, the token axis second to last)
+are stored as blocks, one per token range of the entry's *bounds*; a block is
+stored once in the store however many entries reference it, under its
+content address:
+
+    address = xxh3-128(kind, codec version, dtype, block shape, block bytes)
+
+Content, not token ids: the KV of the same tokens computed by another prefill
+path can differ in the low bits, and a restore must equal the cache that was
+saved, bit for bit. Identical bytes share; anything else gets its own block.
+The address is also the block's checksum: a block is verified against it
+whenever it is read.
+
+Bounds are chosen when an entry is written (see ``store._write``): the bounds
+of the stored entry that shares the longest prefix with it, up to that
+prefix, then multiples of :data:`BLOCK_TOKENS`, then the entry's length. So a
+conversation that grows turn by turn reuses every block of its previous turn,
+the partial last block included: the next turn's blocks start where it ended,
+and no token's bytes are stored twice along one chain.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from promptstore.errors import CorruptEntry
+
+BLOCK_TOKENS = 256  # a new block spans at most this many tokens
+ADDRESS = 16  # bytes of a block address
+
+Bounds = Tuple[int, ...]
+
+
+def plan_bounds(base: Sequence[int], shared: int, n: int, step: int = BLOCK_TOKENS) -> Bounds:
+    """Block ends for an entry of ``n`` tokens whose first ``shared`` tokens
+    equal those of a stored entry with block ends ``base``: every base end
+    up to ``shared``, then the next multiples of ``step``, then ``n``."""
+    ends = [b for b in base if 0 < b <= min(shared, n)]
+    start = ends[-1] if ends else 0
+    nxt = (start // step + 1) * step
+    while nxt < n:
+        ends.append(nxt)
+        nxt += step
+    if not ends or ends[-1] != n:
+        ends.append(n)
+    return tuple(ends)
+
+
+def _header(kind: str, version: int, dtype: str, shape: Sequence[int]) -> bytes:
+    return f"{kind}\0{version}\0{dtype}\0{','.join(map(str, shape))}\0".encode()
+
+
+def address(kind: str, version: int, dtype: str, shape: Sequence[int], data: Any) -> bytes:
+    """The content address of a block: ``data`` is its bytes in C order, or a
+    ``[rows, tokens, width]`` view of them whose rows are each contiguous
+    (hashed row by row, no copy)."""
+    h = xxhash.xxh3_128(_header(kind, version, dtype, shape))
+    if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+        for row in data:
+            h.update(row)
+    else:
+        h.update(data)
+    return h.digest()
+
+
+def host(a: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated, contiguous array, as same-width integers
+    (numpy has no bfloat16)."""
+    width = a.dtype.size
+    ints = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[width]
+    return np.asarray(a if a.dtype == ints else a.view(ints))
+
+
+def cut(a: np.ndarray, bounds: Bounds) -> List[np.ndarray]:
+    """The blocks of ``a`` (token axis second to last), each C-contiguous."""
+    out, start = [], 0
+    for end in bounds:
+        out.append(np.ascontiguousarray(a[..., start:end, :]))
+        start = end
+    return out
+
+
+def block_shape(shape: Sequence[int], start: int, end: int) -> Tuple[int, ...]:
+    return tuple(shape[:-2]) + (end - start, shape[-1])
+
+
+def check(key: bytes, kind: str, version: int, dtype: str, shape: Sequence[int], itemsize: int, data: Any, where: str) -> None:
+    """Refuse a block whose bytes do not hash to its address.
+
+    Raises:
+        CorruptEntry: the block is missing bytes or damaged (or is not the one the entry names).
+    """
+    if len(data) != int(np.prod(shape)) * itemsize:
+        raise CorruptEntry(f"{where}: block {key.hex()} has {len(data)} bytes, expected shape {tuple(shape)} {dtype}")
+    if address(kind, version, dtype, shape, data) != key:
+        raise CorruptEntry(f"{where}: block {key.hex()} does not match its address (its bytes are damaged)")
+

@@ -1,0 +1,283 @@
+"""Shared blocks (entry format 3): KV arrays cut along the token axis into
+content-addressed blocks, stored once, reference-counted with the manifests.
+
+Real fixture models, real LMDB files, real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from _bits import bits_equal
+from _workers import MODEL, _drain, _say, same_cache
+from conftest import load_fixture, sample_tokens
+from promptstore import PromptStore, UnsupportedVersion, salvage
+from promptstore.format import _blocks, _entry
+from promptstore.jobs.prefill import prefill
+from promptstore.store import _keys
+
+TURN = 150
+HERE = Path(__file__).resolve().parent
+
+
+def kv_bytes(cache) -> int:
+    return sum(a.nbytes for layer in cache for a in (layer.keys, layer.values) if a is not None)
+
+
+def block_bytes(store) -> int:
+    with store.env.read() as txn:
+        return sum(len(v) for _, v in txn.cursor(db=store._db.blocks))
+
+
+def manifest(store, tokens):
+    with store.env.read() as txn:
+        return store._manifest(txn, _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens)))
+
+
+@pytest.fixture(scope="module")
+def chat():
+    """A conversation served turn by turn: each turn restores the previous
+    entry, prefills only its new tokens and stores the whole cache."""
+    model, _, _, _ = load_fixture("llama")
+    tokens = sample_tokens(8 * TURN, seed=11)
+    caches = []
+    cache = make_prompt_cache(model)
+    for turn in range(1, 9):
+        prefill(model, tokens[(turn - 1) * TURN : turn * TURN], cache=cache)
+        caches.append([_copy(layer) for layer in cache])
+    return tokens, caches
+
+
+def _copy(layer):
+    from mlx_lm.models.cache import KVCache
+
+    out = KVCache()
+    out.keys, out.values, out.offset = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset
+    return out
+
+
+def test_a_growing_conversation_stores_every_token_once(tmp_path, chat):
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        before = 0
+        for turn, cache in enumerate(caches, start=1):
+            info = store.put(MODEL, tokens[: turn * TURN], cache)
+            assert info.shared == info.nbytes == kv_bytes(cache)
+            grew = block_bytes(store) - before
+            assert grew == kv_bytes(cache) - kv_bytes(caches[turn - 2]) if turn > 1 else grew == kv_bytes(cache)
+            before += grew
+        assert block_bytes(store) == kv_bytes(caches[-1])  # 8 entries, the final cache's bytes once
+        for turn, cache in enumerate(caches, start=1):
+            assert same_cache(store.get(MODEL, tokens[: turn * TURN]), cache)
+        bounds = manifest(store, tokens).bounds
+        assert set(range(TURN, 8 * TURN + 1, TURN)) <= set(bounds)  # every earlier entry's end is a bound
+        assert store.verify().ok
+
+
+def test_the_same_entry_from_two_stores_layouts_reads_the_same(tmp_path, chat):
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=False) as plain:
+        plain.put(MODEL, tokens[:TURN], caches[0])
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        store.put(MODEL, tokens[: 2 * TURN], caches[1])
+        assert manifest(store, tokens[:TURN]).bounds == ()  # format 1 as it was
+        assert len(manifest(store, tokens[: 2 * TURN]).bounds) >= 2
+        assert same_cache(store.get(MODEL, tokens[:TURN]), caches[0])
+        assert same_cache(store.get(MODEL, tokens[: 2 * TURN]), caches[1])
+
+
+def test_an_older_reader_refuses_shared_entries(tmp_path, chat, monkeypatch):
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        store.put(MODEL, tokens[:TURN], caches[0])
+        monkeypatch.setattr(_entry, "FORMAT", 2)
+        with pytest.raises(UnsupportedVersion, match="entry format 3"):
+            store.get(MODEL, tokens[:TURN])
+
+
+def test_lookup_trims_a_longer_shared_entry(tmp_path, chat):
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        store.put(MODEL, tokens[: 4 * TURN], caches[3])
+        query = tokens[: 2 * TURN] + [7, 8, 9]
+        hit = store.lookup(MODEL, query)
+        assert hit.matched == 2 * TURN and hit.trimmed == 2 * TURN
+        assert same_cache(hit.cache, caches[1])
+
+
+def test_blocks_are_freed_with_their_last_reference(tmp_path, chat):
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        for turn in (1, 2, 3):
+            store.put(MODEL, tokens[: turn * TURN], caches[turn - 1])
+        assert store.delete(MODEL, tokens[: 3 * TURN])
+        assert block_bytes(store) == kv_bytes(caches[1])
+        assert same_cache(store.get(MODEL, tokens[:TURN]), caches[0])
+        assert store.delete(MODEL, tokens[:TURN])
+        assert same_cache(store.get(MODEL, tokens[: 2 * TURN]), caches[1])  # its blocks stayed
+        assert store.delete(MODEL, tokens[: 2 * TURN])
+        assert block_bytes(store) == 0 and store.usage() == 0
+        with store.env.read() as txn:
+            assert txn.stat(store._db.refs)["entries"] == 0
+        assert store.verify().ok
+
+
+def test_the_budget_counts_shared_bytes_once(tmp_path, chat):
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        for turn in range(1, 9):
+            store.put(MODEL, tokens[: turn * TURN], caches[turn - 1])
+        total = store.usage()
+        assert total < 1.1 * kv_bytes(caches[-1]) + 8 * 4096  # the final cache once, plus manifests
+        report = store.gc(budget=total // 2)
+        assert report.evicted and store.usage() <= total // 2
+        assert store.usage() == report.usage
+        rep = store.verify()
+        assert rep.ok, rep
+        for info in store.entries():
+            turn = info.n_tokens // TURN
+            assert same_cache(store.get(MODEL, tokens[: info.n_tokens]), caches[turn - 1])
+
+
+def _flip_block(store, at: int = 0):
+    def write(txn):
+        key, raw = next(iter(txn.cursor(db=store._db.blocks)))
+        raw = bytearray(raw)
+        raw[at] ^= 0x40
+        txn.put(bytes(key), bytes(raw), db=store._db.blocks)
+
+    store.env.write(write)
+
+
+def test_a_damaged_block_is_detected_and_a_wrong_count_repaired(tmp_path, chat):
+    from promptstore import CorruptEntry
+
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        for turn in (1, 2):
+            store.put(MODEL, tokens[: turn * TURN], caches[turn - 1])
+        # a wrong count and an orphan block: reported, repaired, no entry deleted
+        def skew(txn):
+            key, raw = next(iter(txn.cursor(db=store._db.refs)))
+            txn.put(bytes(key), (99).to_bytes(8, "big") + bytes(raw)[8:], db=store._db.refs)
+            txn.put(b"\x01" * _blocks.ADDRESS, b"stray", db=store._db.blocks)
+
+        store.env.write(skew)
+        rep = store.verify()
+        assert not rep.ok and rep.bad_counts == 1 and rep.orphan_blocks == 1 and not rep.problems
+        rep = store.verify(fix=True)
+        assert store.verify().ok and len(list(store.entries())) == 2
+        # a flipped byte in a block: both entries that share it fail closed
+        _flip_block(store)
+        with pytest.raises(CorruptEntry, match="does not match its address"):
+            store.get(MODEL, tokens[:TURN])
+        rep = store.verify()
+        assert len(rep.problems) == 2
+
+
+def test_salvage_copies_the_shared_blocks(tmp_path, chat):
+    tokens, caches = chat
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        for turn in (1, 2, 3):
+            store.put(MODEL, tokens[: turn * TURN], caches[turn - 1])
+    report = salvage(tmp_path / "s", tmp_path / "copy")
+    assert len(report.copied) == 3 and not report.skipped
+    with PromptStore(tmp_path / "copy") as copy:
+        assert copy.verify().ok
+        assert block_bytes(copy) == kv_bytes(caches[2])
+        for turn in (1, 2, 3):
+            assert same_cache(copy.get(MODEL, tokens[: turn * TURN]), caches[turn - 1])
+
+
+# -- SIGKILL during puts, deletes and evictions of entries that share blocks --------
+
+
+def _conversation(conv: int):
+    """Tokens and KV arrays of conversation ``conv`` (140 positions)."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng([conv, 99])
+    keys = mx.array(rng.standard_normal((1, 2, 140, 64)).astype(np.float32))
+    values = mx.array(rng.standard_normal((1, 2, 140, 64)).astype(np.float16))
+    return list(range(conv * 1000, conv * 1000 + 140)), keys, values
+
+
+def _chain(seed: int, i: int):
+    """An entry of conversation ``seed % 3``: a prefix of its tokens with its
+    KV a prefix of its arrays, so entries of one conversation share blocks."""
+    from mlx_lm.models.cache import KVCache
+
+    tokens, keys, values = _conversation(seed % 3)
+    n = 8 + (i * 37) % 130
+    layer = KVCache()
+    layer.keys, layer.values, layer.offset = keys[..., :n, :], values[..., :n, :], n
+    return tokens[:n], [layer]
+
+
+def _shared_child(path: str, seed: int, fd: int) -> None:
+    import traceback
+
+    try:
+        store = PromptStore(path, map_size=1 << 22, shared_blocks=True, budget=250_000)
+        for i in range(10_000):
+            tokens, cache = _chain(seed + i, i)
+            _say(fd, f"S {seed + i} {i}")
+            store.put(MODEL, tokens, cache)
+            _say(fd, f"D {seed + i} {i}")
+            if i % 4 == 3:
+                victim, _ = _chain(seed + i - 1, i - 1)
+                store.delete(MODEL, victim)
+    except BaseException:
+        _say(fd, "E " + traceback.format_exc().replace("\n", " | "))
+        os._exit(1)
+
+
+def test_sigkill_during_shared_puts_deletes_and_evictions(tmp_path):
+    """A writer process (a fresh interpreter) puts entries of three
+    conversations that share blocks, deletes some, and evicts under a budget;
+    it is killed with SIGKILL at a random moment, over and over. After every
+    kill verify finds every reference count right and no orphan block, and
+    every entry restores bit-exact."""
+    path = str(tmp_path / "s")
+    rng = random.Random(5)
+    kills = 10 if os.environ.get("PROMPTSTORE_STRESS") != "1" else 60
+    done = 0
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_shared_blocks as t; t._shared_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))"
+    for k in range(kills):
+        r, w = os.pipe()
+        proc = subprocess.Popen([sys.executable, "-c", code, str(HERE), path, str(k * 1000), str(w)], pass_fds=(w,))
+        os.close(w)
+        seen = b""
+        while b"D " not in seen:  # killed only once it has committed something
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            seen += chunk
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        lines = (seen.decode() + _drain(r)).splitlines()
+        assert not [x for x in lines if x.startswith("E")], lines
+        done += sum(1 for x in lines if x.startswith("D"))
+        with PromptStore(path, shared_blocks=True) as store:
+            rep = store.verify()
+            assert rep.ok, rep  # every count right, no orphan block, nothing partial
+            assert store.usage() <= 250_000
+            for info in store.entries():
+                toks = store.tokens(info.id)
+                n = len(toks)
+                _, keys, values = _conversation(toks[0] // 1000)
+                (got,) = store.get(MODEL, toks)
+                assert got.offset == n
+                assert bits_equal(got.keys, keys[..., :n, :]).item() and bits_equal(got.values, values[..., :n, :]).item()
+    assert done >= kills  # the writers got work done between the kills
