@@ -70,7 +70,15 @@ class SerialKVRows(Rows):
 
 class OffsetKVCodec(TrimmableKVCodec):
     """Codec of a KV cache whose state is ``keys``, ``values`` and ``offset``:
-    writes the ``offset`` covered positions, restores them with that offset."""
+    writes the ``offset`` covered positions, restores them with that offset,
+    and drops trimmed positions (mlx-lm's trim only lowers ``offset``: memory
+    stays alive, and a ConcatenateKVCache would append after stale keys)."""
+
+    def trim(self, layer, n):
+        super().trim(layer, n)
+        if layer.keys is not None:
+            layer.keys = layer.keys[..., : layer.offset, :]
+            layer.values = layer.values[..., : layer.offset, :]
 
     def encode(self, layer):
         n = int(layer.offset)

@@ -34,12 +34,6 @@ class KVCodec(OffsetKVCodec):
     always_trimmable = True
     mlx_lm_class = KVCache
 
-    def trim(self, layer, n):
-        super().trim(layer, n)
-        if layer.keys is not None:  # drop the trimmed positions: keep no memory alive
-            layer.keys = layer.keys[..., : layer.offset, :]
-            layer.values = layer.values[..., : layer.offset, :]
-
     def batch_layer(self, layer, pads):
         return BatchKVCache(list(pads))
 

@@ -1,8 +1,8 @@
 """``kv.concat``: mlx-lm's ConcatenateKVCache (no step padding).
 
-Only the ``offset`` covered positions are written. mlx-lm's own trim only
-lowers ``offset`` and the next update appends after the stale keys, so a
-trim here also drops the trimmed positions.
+Only the ``offset`` covered positions are written; a trim drops the trimmed
+positions (``OffsetKVCodec``), since mlx-lm's own trim leaves them for the
+next update to append after.
 """
 
 from __future__ import annotations
@@ -18,12 +18,6 @@ class ConcatKVCodec(OffsetKVCodec):
     version = 1
     types = (ConcatenateKVCache,)
     mlx_lm_class = ConcatenateKVCache
-
-    def trim(self, layer, n):
-        super().trim(layer, n)
-        if layer.keys is not None:
-            layer.keys = layer.keys[..., : layer.offset, :]
-            layer.values = layer.values[..., : layer.offset, :]
 
 
 register(ConcatKVCodec())

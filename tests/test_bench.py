@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from promptstore import PromptStore
-from promptstore.format import _entry, _pages
+from promptstore.format import _entry, _pages, _payload
 from promptstore.bench import _data as data
 from promptstore.bench._mem import _status
 from promptstore.bench import targets
@@ -208,7 +208,7 @@ def test_restore_is_bit_exact_across_chunk_boundaries(big_entry):
     store, cache, tokens, _ = big_entry
     man = _manifest(store, tokens)
     recs = [r for layer in man.layers for r in layer.arrays]
-    assert any(_entry._spans(r) for r in recs) and any(not _entry._spans(r) for r in recs)
+    assert any(_payload._spans(r) for r in recs) and any(not _payload._spans(r) for r in recs)
     for _ in range(2):  # the second restore reads pages the first one released
         restored = store.get("m@1", tokens)
         for x, y in zip(cache, restored):
@@ -230,7 +230,7 @@ def test_a_flipped_byte_is_caught_in_either_copy_path(big_entry, spanning):
 
     store, _, tokens, ekey = big_entry
     man = _manifest(store, tokens)
-    rec = next(r for layer in man.layers for r in layer.arrays if _entry._spans(r) == spanning and r.nbytes > 4096)
+    rec = next(r for layer in man.layers for r in layer.arrays if _payload._spans(r) == spanning and r.nbytes > 4096)
     at = rec.offset + rec.nbytes - 7  # in the last chunk a spanning array reaches
     ci, pos = divmod(at, _entry.CHUNK)
     key = ekey + _keys.u32(ci)
@@ -297,7 +297,7 @@ def test_iter_chunks_cuts_the_payload_exactly(sizes):
     arrays = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in sizes]
     views = [memoryview(a) for a in arrays]
     total = sum(sizes)
-    chunks = [bytes(c) for c in _entry.iter_chunks(views, total)]  # copied at once, as txn.put does
+    chunks = [bytes(c) for c in _payload.iter_chunks(views, total)]  # copied at once, as txn.put does
     assert len(chunks) == _entry.n_chunks(total)
     assert all(len(c) == _entry.CHUNK for c in chunks[:-1]) and 0 < len(chunks[-1]) <= _entry.CHUNK
     assert b"".join(chunks) == b"".join(a.tobytes() for a in arrays)

@@ -17,7 +17,7 @@ import pytest
 from _workers import MODEL, make_entry, same_cache
 from test_blobs import HERE, SMALL, _files, _man
 from promptstore import PromptStore
-from promptstore.format import _blobs, _entry, _fill, _pages
+from promptstore.format import _blobs, _fill, _pages, _payload
 from promptstore.codecs import encode_layer
 
 
@@ -141,7 +141,7 @@ def test_writeback_in_small_steps_keeps_every_byte(tmp_path, small_blobs, monkey
         (name,) = _files(tmp_path / "s")
         assert len(calls) > 10 and calls[0] == (0, 4099) and all(n >= 4099 for _, n in calls)
         assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))  # contiguous ranges
-        _, views, _ = _entry.prepare([encode_layer(layer) for layer in cache])
+        _, views, _ = _payload.prepare([encode_layer(layer) for layer in cache])
         assert (tmp_path / "s" / "blobs" / name).read_bytes() == b"".join(bytes(v) for v in views)
         assert man.payload == sum(v.nbytes for v in views)
         assert same_cache(store.get(MODEL, tokens), cache)

@@ -20,7 +20,7 @@ from _raw import raw_manifest, write_manifest
 from _workers import MODEL, make_entry, same_cache
 from test_crash import check_after_crashes, run_worker
 from promptstore import CorruptEntry, PromptStore, UnsupportedVersion
-from promptstore.format import _blobs, _entry
+from promptstore.format import _blobs, _entry, _payload
 from promptstore.store import _keys
 from promptstore.bench import _data as data
 
@@ -98,7 +98,7 @@ def test_a_flipped_byte_in_a_blob_is_caught(tmp_path, spanning, caplog):
     with PromptStore(tmp_path / "s") as store:
         store.put(MODEL, tokens, cache)
         man = _man(store, tokens)
-        rec = next(r for layer in man.layers for r in layer.arrays if _entry._spans(r) == spanning and r.nbytes > 4096)
+        rec = next(r for layer in man.layers for r in layer.arrays if _payload._spans(r) == spanning and r.nbytes > 4096)
         with open(tmp_path / "s" / "blobs" / man.blob, "r+b") as f:
             f.seek(rec.offset + rec.nbytes - 7)
             b = f.read(1)

@@ -47,12 +47,12 @@ def test_restore_through_the_pread_path_continues_bit_identically(name, store_pa
     """The fixtures are far below the 8 MiB where a restore switches to pread on
     two threads, with small arrays as views of shared buffers: lower the
     threshold so the real models run on that path too."""
-    from promptstore.format import _entry, _pages
+    from promptstore.format import _pages, _payload
 
     monkeypatch.setattr(_pages, "MIN_PAYLOAD", 0)
     calls = []
-    real = _entry.read_file
-    monkeypatch.setattr(_entry, "read_file", lambda *a: calls.append(1) or real(*a))
+    real = _payload.read_file
+    monkeypatch.setattr(_payload, "read_file", lambda *a: calls.append(1) or real(*a))
     _run(name, store_path)
     assert calls  # restored through read_file, not the mapped copy
 

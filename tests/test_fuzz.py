@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from _workers import MODEL, make_entry
 from promptstore import PromptStore, PromptStoreError
-from promptstore.format import _entry
+from promptstore.format import _entry, _payload
 from promptstore.store import _keys
 
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
@@ -61,7 +61,7 @@ def decode(raw: bytes, chunks) -> None:
     CASES["n"] += 1
     try:
         man = _entry.unpack_manifest(raw, "fuzz")
-        arrays = _entry.read_arrays(man, lambda i: chunks[i] if 0 <= i < len(chunks) else None, "fuzz")
+        arrays = _payload.read_arrays(man, lambda i: chunks[i] if 0 <= i < len(chunks) else None, "fuzz")
         _entry.decode_layers(man, arrays, "fuzz")
     except PromptStoreError:
         pass
@@ -156,7 +156,7 @@ def test_huge_claims_allocate_nothing(corpus):
         doc["payload"], doc["chunks"] = claim, _entry.n_chunks(claim)
         with pytest.raises(PromptStoreError, match="chunk 0"):
             man = _entry.unpack_manifest(recheck(doc), "huge")
-            _entry.read_arrays(man, lambda i: chunks[i] if i < len(chunks) else None, "huge")
+            _payload.read_arrays(man, lambda i: chunks[i] if i < len(chunks) else None, "huge")
     assert rss_mib() - before < 64
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from _samples import assert_same
-from promptstore.format import _entry
+from promptstore.format import _entry, _payload
 from promptstore.codecs import codecs, encode_layer
 
 GOLDEN = ROOT / "fixtures" / "golden"
@@ -34,7 +34,7 @@ def test_golden_decodes(path):
         man = _entry.unpack_manifest(entry["manifest"], where)
         assert man.intact  # golden manifests carry their checksum
         chunks = entry["chunks"]
-        arrays = _entry.read_arrays(man, lambda i: chunks[i] if i < len(chunks) else None, where)
+        arrays = _payload.read_arrays(man, lambda i: chunks[i] if i < len(chunks) else None, where)
         layers = _entry.decode_layers(man, arrays, where)
         assert [r.kind.split("(")[0] for r in man.layers] == [doc["kind"]] * len(layers)
         for rec, stored, layer in zip(man.layers, arrays, layers):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from promptstore import CorruptEntry, PromptStore
-from promptstore.format import _blank, _blobs, _entry, _fill, _pages
+from promptstore.format import _blank, _blobs, _entry, _fill, _pages, _payload
 from promptstore.store import _keys
 from promptstore.bench import _data as data
 from _bits import bits_equal
@@ -108,9 +108,9 @@ def test_pread_and_mapped_copy_give_the_same_arrays(entry):
     with store.env.read(buffers=True) as txn:
         man = store._manifest(txn, ekey)
         data_file = store.env.data_file()
-        bufs = _entry.chunk_buffers(man, lambda i: txn.get(ekey + _keys.u32(i), db=store._db[b"chunks"]), "t")
-        via_file = _entry.read_file(man, data_file.fd, [data_file.offset(b) for b in bufs], "t")
-        via_map = _entry.read_mapped(man, bufs, "t")
+        bufs = _payload.chunk_buffers(man, lambda i: txn.get(ekey + _keys.u32(i), db=store._db[b"chunks"]), "t")
+        via_file = _payload.read_file(man, data_file.fd, [data_file.offset(b) for b in bufs], "t")
+        via_map = _payload.read_mapped(man, bufs, "t")
         mx.eval([a for d in via_file + via_map for a in d.values()])
     for x, y in zip(via_file, via_map, strict=True):
         assert x.keys() == y.keys()
@@ -127,7 +127,7 @@ def test_a_short_file_is_a_corrupt_entry(entry):
     with store.env.read(buffers=True) as txn:
         man = store._manifest(txn, man_key[0])
         with pytest.raises(CorruptEntry, match="ends inside"):
-            _entry.read_file(man, store.env.data_file().fd, [size - 100] * len(offsets), "t")
+            _payload.read_file(man, store.env.data_file().fd, [size - 100] * len(offsets), "t")
 
 
 def test_blank_buffers_have_their_sizes_and_take_writes():

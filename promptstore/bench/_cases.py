@@ -24,7 +24,7 @@ import numpy as np
 
 from promptstore.bench import _data as data
 from promptstore.codecs import encode_layer
-from promptstore.format import _entry
+from promptstore.format import _payload
 from promptstore.format._bits import bits_equal
 from promptstore.identity import fingerprint
 from promptstore.jobs.prefill import load_model, prefill
@@ -58,7 +58,7 @@ def write_bytes() -> int:
 
 def _payload_views(cache) -> List[memoryview]:
     """The byte views promptstore would write for ``cache`` (same bytes, same order)."""
-    _, views, _ = _entry.prepare([encode_layer(layer) for layer in cache])
+    _, views, _ = _payload.prepare([encode_layer(layer) for layer in cache])
     return views
 
 

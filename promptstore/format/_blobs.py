@@ -40,7 +40,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from promptstore.format import _entry, _fill, _pages
+from promptstore.format import _entry, _fill, _pages, _payload
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
 
 log = logging.getLogger("promptstore")
@@ -218,7 +218,7 @@ class Blobs:
             if size != man.payload:
                 raise CorruptEntry(f"{where}: blob file {man.blob} has {size} bytes, the manifest says {man.payload}")
             if _fill.available():
-                return _entry.read_file(man, fd, [i * _entry.CHUNK for i in range(man.chunks)], where)
+                return _payload.read_file(man, fd, [i * _entry.CHUNK for i in range(man.chunks)], where)
             return self._read_mapped(man, fd, where)
         finally:
             os.close(fd)
@@ -226,13 +226,13 @@ class Blobs:
     @staticmethod
     def _read_mapped(man: _entry.Manifest, fd: int, where: str) -> List[Dict[str, Any]]:
         if man.payload == 0:
-            return _entry.read_mapped(man, [], where)
+            return _payload.read_mapped(man, [], where)
         mm = mmap.mmap(fd, man.payload, prot=mmap.PROT_READ)
         try:
             whole = memoryview(mm)
             bufs = [whole[i * _entry.CHUNK : (i + 1) * _entry.CHUNK] for i in range(man.chunks)]
             try:
-                return _entry.read_mapped(man, bufs, where)
+                return _payload.read_mapped(man, bufs, where)
             finally:
                 for b in bufs:
                     b.release()

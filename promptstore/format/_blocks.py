@@ -23,9 +23,8 @@ and no token's bytes are stored twice along one chain.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
-import mlx.core as mx
 import numpy as np
 import xxhash
 
@@ -69,23 +68,6 @@ def address(kind: str, version: int, dtype: str, shape: Sequence[int], data: Any
     return h.digest()
 
 
-def host(a: mx.array) -> np.ndarray:
-    """A numpy view of an evaluated, contiguous array, as same-width integers
-    (numpy has no bfloat16)."""
-    width = a.dtype.size
-    ints = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[width]
-    return np.asarray(a if a.dtype == ints else a.view(ints))
-
-
-def cut(a: np.ndarray, bounds: Bounds) -> List[np.ndarray]:
-    """The blocks of ``a`` (token axis second to last), each C-contiguous."""
-    out, start = [], 0
-    for end in bounds:
-        out.append(np.ascontiguousarray(a[..., start:end, :]))
-        start = end
-    return out
-
-
 def block_shape(shape: Sequence[int], start: int, end: int) -> Tuple[int, ...]:
     return tuple(shape[:-2]) + (end - start, shape[-1])
 
@@ -100,4 +82,3 @@ def check(key: bytes, kind: str, version: int, dtype: str, shape: Sequence[int],
         raise CorruptEntry(f"{where}: block {key.hex()} has {len(data)} bytes, expected shape {tuple(shape)} {dtype}")
     if address(kind, version, dtype, shape, data) != key:
         raise CorruptEntry(f"{where}: block {key.hex()} does not match its address (its bytes are damaged)")
-

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from promptstore.errors import InvalidInput, StoreFull
+from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
+from promptstore.format._entry import unpack_manifest
+from promptstore.store._keys import entry_id
 from promptstore.store._schema import BUDGET_KEY, PINS, REFS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
 
 Unlink = Callable[[Any, bytes, Optional[bytes]], None]
@@ -157,12 +159,11 @@ def evict(txn, db: Tables, budget: int, keep: Set[bytes], unlink: Unlink, freed:
     return [k for k, _ in victims]
 
 
-def recount(txn, db: Tables, manifest_size: Callable[[bytes, bytes], Optional[int]]) -> int:
-    """Rebuild ``sizes`` and ``usage`` from the entries table; drop stale pins.
-
-    ``manifest_size(ekey, raw)`` gives an entry's size from its manifest, or
-    None when the manifest is unreadable (counted by its raw length then).
-    """
+def recount(txn, db: Tables) -> int:
+    """Rebuild ``sizes`` and ``usage`` from the entries table and the shared
+    blocks; drop stale pins. An entry without a size record is counted from
+    its manifest (payload plus manifest), or by its manifest's length when
+    that cannot be read."""
     live: Dict[bytes, int] = {}
     sizes = db.sizes
     for k, raw in txn.cursor(db=db.entries):
@@ -171,8 +172,7 @@ def recount(txn, db: Tables, manifest_size: Callable[[bytes, bytes], Optional[in
         if have is not None:
             live[k] = u64_or(have)
         else:
-            n = manifest_size(k, bytes(raw))
-            live[k] = n if n is not None else len(raw)
+            live[k] = _own_size(k, bytes(raw))
             txn.put(k, U64.pack(live[k]), db=sizes)
     for table in (SIZES, PINS):
         stale = [bytes(k) for k in txn.cursor(db=db[table]).iternext(keys=True, values=False) if bytes(k) not in live]
@@ -202,3 +202,10 @@ def ref_size(raw: Any) -> int:
 
 def ref_value(count: int, size: int) -> bytes:
     return U64.pack(count) + U64.pack(size)
+
+
+def _own_size(ekey: bytes, raw: bytes) -> int:
+    try:
+        return unpack_manifest(raw, entry_id(ekey)).payload + len(raw)
+    except PromptStoreError:
+        return len(raw)

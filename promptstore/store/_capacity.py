@@ -14,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
-from promptstore.errors import EntryNotFound, PromptStoreError, StoreFull
-from promptstore.format import _entry
+from promptstore.errors import EntryNotFound, StoreFull
 from promptstore.store import _budget, _keys
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import Env
@@ -75,7 +74,7 @@ class Capacity:
 
         def write(txn) -> GcReport:
             self._usage.flush_in(txn)
-            _budget.recount(txn, self._db, _manifest_size)
+            _budget.recount(txn, self._db)
             target = budget if budget is not None else _budget.get_budget(txn, self._db)
             report = self._evict(txn, target, plan)
             self._maintenance.sweep_blobs(txn)
@@ -154,10 +153,3 @@ class Capacity:
                 for k in txn.cursor(db=self._db.pins).iternext(keys=True, values=False)
                 if txn.get(bytes(k), db=self._db.entries) is not None
             )
-
-
-def _manifest_size(ekey: bytes, raw: bytes) -> Optional[int]:
-    try:
-        return _entry.unpack_manifest(raw, _keys.entry_id(ekey)).payload + len(raw)
-    except PromptStoreError:
-        return None

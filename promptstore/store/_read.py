@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, TypeVar
 import numpy as np
 
 from promptstore.errors import CorruptEntry, PromptStoreError
-from promptstore.format import _blank, _blobs, _blocks, _entry, _fill, _pages
+from promptstore.format import _blank, _blobs, _blocks, _entry, _fill, _pages, _payload
 from promptstore.store import _keys
 from promptstore.store._env import Env
 from promptstore.store._schema import Tables, chunk_key
@@ -117,7 +117,7 @@ class Reader:
             return txn.get(chunk_key(ekey, i), db=chunks)
 
         if not large or not man.chunks:  # a small restore: the map scan, fd and threads are not worth it
-            return _entry.read_arrays(man, get_chunk, where)
+            return _payload.read_arrays(man, get_chunk, where)
         return self._read_large(ekey, man, get_chunk, where, remembered)
 
     def _read_large(self, ekey: bytes, man: _entry.Manifest, get_chunk: Callable[[int], Any], where: str, remembered: bool) -> List[Dict[str, Any]]:
@@ -141,19 +141,19 @@ class Reader:
         offsets = data.located.get(key) if fd is not None and remembered else None
         if fd is not None and offsets is not None:
             try:
-                return _entry.read_file(man, fd, offsets, where)
+                return _payload.read_file(man, fd, offsets, where)
             except CorruptEntry:
                 data.forget(key)
-        bufs = _entry.chunk_buffers(man, get_chunk, where, data.release)
+        bufs = _payload.chunk_buffers(man, get_chunk, where, data.release)
         found = [data.offset(b) for b in bufs]
         if fd is None or any(o is None for o in found):
-            return _entry.read_mapped(man, bufs, where, data.release)
+            return _payload.read_mapped(man, bufs, where, data.release)
         located = [o for o in found if o is not None]
         try:
-            arrays = _entry.read_file(man, fd, located, where)
+            arrays = _payload.read_file(man, fd, located, where)
         except CorruptEntry:
             data.refresh()
-            return _entry.read_mapped(man, bufs, where, data.release)
+            return _payload.read_mapped(man, bufs, where, data.release)
         if min(len(b) for b in bufs) >= _pages._PAGE:
             data.remember(key, located)
         return arrays

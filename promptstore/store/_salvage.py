@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Set, Tuple
 import lmdb
 
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
-from promptstore.format import _blobs, _entry
+from promptstore.format import _blobs, _entry, _payload
 from promptstore.store import _budget, _keys
 from promptstore.store._env import Env, live_dir, pages_needed
 from promptstore.store._read import assemble
@@ -107,7 +107,7 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
             chunks = []
         else:
             chunks = [txn.get(chunk_key(ekey, i), db=dbs.chunks) for i in range(man.chunks)]
-            arrays = _entry.read_arrays(own, lambda i: chunks[i], where)
+            arrays = _payload.read_arrays(own, lambda i: chunks[i], where)
         blocks: Dict[bytes, bytes] = {}
 
         def block(key: bytes) -> Any:

@@ -20,7 +20,7 @@ import numpy as np
 
 from promptstore import rows
 from promptstore.codecs import codec_for_layer, encode_layer, is_trimmable, storage_kind, trim_cache
-from promptstore.errors import CorruptEntry, CoverageMismatch, EntryNotFound, InvalidInput, ModelMismatch, PromptStoreError
+from promptstore.errors import CorruptEntry, CoverageMismatch, InvalidInput, ModelMismatch, PromptStoreError
 from promptstore.format import _blobs, _entry
 from promptstore.identity import model_name_of
 from promptstore.store import _index, _keys
@@ -256,7 +256,7 @@ class PromptStore:
                 try:
                     ekey = self._catalog.resolve(txn, planned.id)
                     man = self._reader.manifest(txn, ekey)
-                except (EntryNotFound, PromptStoreError):
+                except PromptStoreError:  # gone, or unreadable since the plan
                     man = None
                 if man is None or utc(man.created) != planned.created:
                     vanished.append(planned.id)

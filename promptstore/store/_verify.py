@@ -78,7 +78,7 @@ class Maintenance:
                 self.rebuild_index(txn)
                 self.sweep_blobs(txn)
                 self.recount_blocks(txn)
-                _budget.recount(txn, db, _own_size)
+                _budget.recount(txn, db)
 
             self._env.write(write)
         return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans))
@@ -116,17 +116,20 @@ class Maintenance:
         stored keeps its count at zero: its entries read as damaged."""
         db = self._db
         want, unreadable = self._references(txn)
-        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=db.blocks)}
+        stored = {bytes(k) for k in txn.cursor(db=db.blocks).iternext(keys=True, values=False)}
         for key in [bytes(k) for k in txn.cursor(db=db.refs).iternext(keys=True, values=False)]:
             if key not in want and not unreadable:
                 txn.delete(key, db=db.refs)
         for key, count in want.items():
-            if key in sizes:
-                txn.put(key, _budget.ref_value(count, sizes[key]), db=db.refs)
-            else:
+            if key not in stored:
                 txn.delete(key, db=db.refs)
+                continue
+            size = _budget.ref_size(txn.get(key, db=db.refs))  # a block's size is in its refs record,
+            if not size:  # unless that record is missing or damaged: then read the block
+                size = len(txn.get(key, db=db.blocks))
+            txn.put(key, _budget.ref_value(count, size), db=db.refs)
         if not unreadable:
-            for key in sizes:
+            for key in stored:
                 if key not in want:
                     txn.delete(key, db=db.blocks)
 
@@ -183,10 +186,3 @@ class Maintenance:
 class _Counts:
     wrong: List[bytes]  # blocks whose stored count is not the number of references
     orphans: List[bytes]  # stored blocks nothing references
-
-
-def _own_size(ekey: bytes, raw: bytes) -> Optional[int]:
-    try:
-        return _entry.unpack_manifest(raw, _keys.entry_id(ekey)).payload + len(raw)
-    except PromptStoreError:
-        return None

@@ -18,14 +18,14 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from promptstore.codecs import codec_for_kind
+from promptstore.codecs import Encoded, codec_for_kind
 from promptstore.errors import PromptStoreError
-from promptstore.format import _blobs, _blocks, _entry, _fill
-from promptstore.format._entry import Encoded, Manifest
+from promptstore.format import _blobs, _blocks, _entry, _fill, _payload
+from promptstore.format._entry import Manifest
 from promptstore.store import _budget, _index, _keys
 from promptstore.store._env import Env
 from promptstore.store._schema import F64, Tables, chunk_key, model_of, owner_of_chunk
@@ -144,11 +144,7 @@ class EntryWriter:
 
         def freed(ekey: bytes) -> int:
             total = _budget.size_of(txn, self._db, ekey)
-            raw = txn.get(ekey, db=self._db.entries)
-            try:
-                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(ekey)) if raw is not None else None
-            except PromptStoreError:
-                man = None
+            man = self._readable(txn, ekey)
             for key, _ in man.blocks() if man is not None else ():
                 dropped[key] = dropped.get(key, 0) + 1
                 ref = txn.get(key, db=self._db.refs)
@@ -157,6 +153,14 @@ class EntryWriter:
             return total
 
         return freed
+
+    def _readable(self, txn, ekey: bytes) -> Optional[Manifest]:
+        """The manifest at ``ekey``, or None when there is none or it cannot be read."""
+        raw = txn.get(ekey, db=self._db.entries)
+        try:
+            return _entry.unpack_manifest(bytes(raw), _keys.entry_id(ekey)) if raw is not None else None
+        except PromptStoreError:
+            return None
 
     def unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> None:
         """Remove every record of an entry but its pin (a replaced entry keeps it).
@@ -220,12 +224,12 @@ class EntryWriter:
         """
         n = len(toks)
         shared_kind = (lambda enc: codec_for_kind(enc.kind).shared_blocks) if self.shared_blocks else None
-        records, views, payload = _entry.prepare(encoded, n, shared_kind)
+        records, views, payload = _payload.prepare(encoded, n, shared_kind)
         blob = payload >= _blobs.MIN_PAYLOAD
         # A blob entry's checksums are computed while its file is written.
-        hashing = _fill.submit(_entry.add_checksums, records, views) if blob else None
+        hashing = _fill.submit(_payload.add_checksums, records, views) if blob else None
         if not blob:
-            _entry.add_checksums(records, views)
+            _payload.add_checksums(records, views)
         mid = _keys.model_id(model)
         ekey = _keys.entry_key(mid, toks)
         eid = _keys.entry_id(ekey)
@@ -260,7 +264,7 @@ class EntryWriter:
                 hashing.result()
                 man = pack(name)
             else:
-                chunks = _entry.iter_chunks(views, payload)
+                chunks = _payload.iter_chunks(views, payload)
             return self.add(txn, ekey, toks, trimmable, man, chunks, F64.pack(now), payload + len(man), blocks=blocks)
 
         try:
@@ -280,14 +284,7 @@ class EntryWriter:
         Read from a snapshot before the write: a stale answer only costs
         blocks that are not shared."""
         with self._env.read() as txn:
-            def manifest(key: bytes) -> Optional[Manifest]:
-                raw = txn.get(key, db=self._db.entries)
-                try:
-                    return _entry.unpack_manifest(bytes(raw), _keys.entry_id(key)) if raw is not None else None
-                except PromptStoreError:
-                    return None
-
-            for _key, matched, man in _index.candidates(txn, self._db, mid, toks, manifest):
+            for _key, matched, man in _index.candidates(txn, self._db, mid, toks, lambda key: self._readable(txn, key)):
                 if man.model == model and man.bounds:
                     return man.bounds, matched
         return (), 0
@@ -313,13 +310,13 @@ def _cut(records: List[dict], bounds: Tuple[int, ...]) -> Tuple[List[Block], int
         for a in rec["arrays"]:
             if len(a) != 7:
                 continue
-            host = _blocks.host(a[6])
-            rows = host.reshape(-1, host.shape[-2], host.shape[-1])
+            shape = a[2]
+            data = np.frombuffer(_payload.host_bytes(a[6]), dtype=np.uint8)
+            rows = data.reshape(-1, shape[-2], shape[-1] * _entry.DTYPES[a[1]].size)
             keys, start = [], 0
             for end in bounds:
                 part = rows[:, start:end, :]
-                shape = _blocks.block_shape(a[2], start, end)
-                key = _blocks.address(rec["kind"], rec["version"], a[1], shape, part)
+                key = _blocks.address(rec["kind"], rec["version"], a[1], _blocks.block_shape(shape, start, end), part)
                 blocks.append((key, functools.partial(_contiguous, part), part.nbytes))
                 keys.append(key)
                 start = end
