@@ -14,11 +14,17 @@ from promptstore.cli._common import command, emit_json, format_size, guarded, js
 def compact(obj, as_json):
     """Rewrite the store compactly (LMDB files never shrink by themselves).
 
+    Entries written before shared prefixes are rewritten into shared blocks
+    first, so a store of an older release stores each shared prefix once.
+
     Safe while other processes use the store: they move to the new file at
     their next transaction. Needs free disk space for the compacted copy.
     """
-    before, after = obj.store.compact()
+    upgraded = obj.existing_store().upgrade()
+    before, after = obj.existing_store().compact(upgrade=False)
     if as_json:
-        emit_json({"before_bytes": before, "after_bytes": after, "generation": obj.store.env.generation})
+        emit_json({"before_bytes": before, "after_bytes": after, "upgraded": upgraded, "generation": obj.existing_store().env.generation})
     else:
+        if upgraded:
+            click.echo(f"rewrote {upgraded} {'entry' if upgraded == 1 else 'entries'} into shared blocks")
         click.echo(f"compacted {format_size(before)} -> {format_size(after)}")

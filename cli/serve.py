@@ -7,16 +7,26 @@ from pathlib import Path
 import click
 
 from promptstore.cli._common import command, emit_json, guarded, json_option, model_option
+from promptstore.serving import DEFAULT_CHECKPOINTS
 from promptstore.serving._server import serve as run_server
 
 
 @command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @model_option()
+@click.option(
+    "--checkpoints",
+    type=click.IntRange(min=0),
+    default=DEFAULT_CHECKPOINTS,
+    show_default=True,
+    metavar="K",
+    help="Checkpoints kept per conversation of a model whose cache cannot be trimmed (hybrid): "
+    "the K latest plus the system prompt's; superseded ones are deleted. 0 keeps all.",
+)
 @json_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 @guarded
-def serve(obj, model_dir, as_json, server_args):
+def serve(obj, model_dir, checkpoints, as_json, server_args):
     """Run mlx_lm.server on MODEL with its prompt cache kept in the store.
 
     Every cache the server makes is also written to the store in the
@@ -25,11 +35,17 @@ def serve(obj, model_dir, as_json, server_args):
     go to mlx_lm.server (e.g. --port 8080 --prompt-cache-size 10; see
     `mlx_lm.server --help`). SIGTERM or Ctrl-C stops the server after the
     pending writes are committed; with --json their counters are printed then.
+
+    Recurrent state cannot be shared between entries, so for a model whose
+    cache cannot be trimmed each conversation keeps a bounded history: the
+    system-prompt checkpoint plus the --checkpoints latest turn boundaries
+    (a turn makes two). Pinned entries and entries written by `put` or
+    `warmup` are never deleted.
     """
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise click.BadParameter(f"{model_dir}: not an mlx-lm model directory (no config.json)", param_hint="--model")
-    stats = run_server(str(path), list(server_args), store=obj.store)
+    stats = run_server(str(path), list(server_args), store=obj.store, checkpoints=checkpoints)
     if as_json:
         emit_json({"store": str(obj.store.path), "model": str(path), "cache": stats})
     else:

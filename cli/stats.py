@@ -1,4 +1,5 @@
-"""``promptstore stats``: entries, live bytes vs file size, per model, per kind, hits and misses."""
+"""``promptstore stats``: entries, cache bytes vs stored bytes (shared
+prefixes stored once) vs file size, per model, per kind, hits and misses."""
 
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ def collect(store) -> dict:
             k["entry_bytes"] += i.nbytes
     counters = store.counters()
     lookups = counters["hits"] + counters["misses"]
+    logical = sum(i.nbytes for i in infos)
+    stored = store.usage()
     return {
         "path": str(store.path),
         "entries": len(infos),
-        "live_bytes": sum(i.nbytes for i in infos),
+        "live_bytes": logical,
+        "stored_bytes": stored,
+        "dedup_ratio": (logical / stored) if stored else None,
         "file_bytes": store.file_size(),
         "hits": counters["hits"],
         "misses": counters["misses"],
@@ -49,15 +54,17 @@ def collect(store) -> dict:
 def stats(obj, as_json):
     """Summarise the store: entries, live bytes vs file size, per model, per
     storage kind, and lookup hits and misses (recorded by every process)."""
-    doc = collect(obj.store)
+    doc = collect(obj.reader())  # read-only: never creates a store
     if as_json:
         emit_json(doc)
         return
-    live, size = doc["live_bytes"], doc["file_bytes"]
-    pct = f" ({100 * live / size:.0f}% live)" if size else ""
+    live, stored, size = doc["live_bytes"], doc["stored_bytes"], doc["file_bytes"]
+    pct = f" ({100 * stored / size:.0f}% live)" if size else ""
+    dedup = f", {doc['dedup_ratio']:.2f}x shared prefixes" if doc["dedup_ratio"] else ""
     click.echo(f"store   {doc['path']}")
     click.echo(f"entries {doc['entries']}")
-    click.echo(f"bytes   {format_size(live)} live in a {format_size(size)} file{pct}")
+    click.echo(f"bytes   {format_size(live)} of caches stored in {format_size(stored)}{dedup}")
+    click.echo(f"file    {format_size(size)}{pct}")
     rate = f" ({100 * doc['hit_rate']:.0f}% hits)" if doc["hit_rate"] is not None else ""
     click.echo(f"lookups {doc['hits']} hits, {doc['misses']} misses{rate}")
     if doc["models"]:

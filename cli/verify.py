@@ -10,7 +10,12 @@ from promptstore.cli._common import command, emit_json, guarded, json_option
 
 
 @command()
-@click.option("--fix", is_flag=True, help="Delete damaged entries, orphaned chunks and orphaned blob files, and rebuild the index.")
+@click.option(
+    "--fix",
+    is_flag=True,
+    help="Delete damaged entries, orphaned chunks, blocks and blob files, repair block reference counts, "
+    "and rebuild the index. Entries written by a newer promptstore are kept.",
+)
 @json_option
 @click.pass_obj
 @guarded
@@ -19,28 +24,44 @@ def verify(obj, fix, as_json):
 
     Exits 1 when problems were found (also when --fix removed them).
     """
-    report = obj.store.verify(fix=fix)
+    store = obj.reader()  # never creates a store; read-only unless --fix
+    if fix:
+        obj.close()
+        store = obj.store
+    report = store.verify(fix=fix)
     if as_json:
         emit_json({
             "checked": report.checked,
             "problems": [{"id": eid, "problem": what} for eid, what in report.problems],
+            "newer": [{"id": eid, "problem": what} for eid, what in report.newer],
             "orphan_chunks": report.orphan_chunks,
             "orphan_blobs": report.orphan_blobs,
+            "bad_counts": report.bad_counts,
+            "orphan_blocks": report.orphan_blocks,
             "fixed": report.fixed and not report.ok,
             "ok": report.ok,
         })
     else:
         for eid, what in report.problems:
             click.echo(f"damaged {eid}: {what}")
+        for eid, what in report.newer:
+            click.echo(f"newer {eid}: {what} (kept: upgrade promptstore to read it)")
         if report.orphan_chunks:
             click.echo(f"{report.orphan_chunks} orphaned chunk(s)")
+        if report.bad_counts:
+            click.echo(f"{report.bad_counts} shared block(s) with a wrong reference count" + (" (repaired)" if fix else ""))
+        if report.orphan_blocks:
+            click.echo(f"{report.orphan_blocks} shared block(s) no entry references" + (" (removed)" if fix else ""))
         if report.orphan_blobs:
             click.echo(f"{report.orphan_blobs} blob file(s) no entry names (left by killed puts; "
                        + ("removed)" if fix else "`promptstore gc` removes them)"), err=True)
         if report.ok:
             click.echo(f"ok: {report.checked} entries checked")
         elif fix:
-            click.echo(f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks of {report.checked} checked")
+            click.echo(
+                f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks "
+                f"of {report.checked} checked"
+            )
         else:
             click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)
     if not report.ok:

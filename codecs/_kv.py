@@ -53,6 +53,9 @@ class TrimmableKVCodec(Codec):
     def needs_checkpoints(self, layer, n_tokens):
         return not layer.is_trimmable()
 
+    def prefix_meta(self, meta, n):
+        return {**meta, "offset": n}  # its arrays hold exactly the ``offset`` covered positions
+
 
 class SerialKVRows(Rows):
     """Rows of a serial mlx-lm KV layer run with B > 1 (a plain batched

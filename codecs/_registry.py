@@ -94,6 +94,13 @@ class Codec:
     #: the tokens, so a cache made by the same model has exactly its shapes).
     seq_axis: Optional[int] = None
 
+    def prefix_meta(self, meta: Meta, n: int) -> Optional[Meta]:
+        """The meta of this kind's layer cut to its first ``n`` tokens, its
+        shared-block arrays cut to ``n`` positions with it, so a prefix hit
+        on a longer entry reads only the blocks it needs; None (the default):
+        the layer cannot be cut so, and the entry is read whole."""
+        return None
+
     def trimmable(self, layer: Any) -> bool:
         """Whether ``layer`` can drop its last tokens now."""
         return False
@@ -282,11 +289,12 @@ def encode_layer(layer: Any) -> Encoded:
     return Encoded(codec.kind_of(layer), codec.version, arrays, meta)
 
 
-def decode_layer(kind: str, version: int, arrays: Arrays, meta: Meta) -> Any:
-    """Decode one layer; refuses unknown kinds and versions newer than the codec.
+def readable_codec(kind: str, version: int) -> Codec:
+    """The codec that decodes ``kind`` at codec ``version``.
 
     Raises:
-        UnknownStorageKind, UnsupportedVersion
+        UnknownStorageKind, UnsupportedVersion: written by a newer (or
+            extended) promptstore.
     """
     codec = codec_for_kind(kind)
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -296,7 +304,16 @@ def decode_layer(kind: str, version: int, arrays: Arrays, meta: Meta) -> Any:
             f"kind {kind!r} was written by codec version {version}, this promptstore "
             f"reads up to {codec.version}: upgrade promptstore"
         )
-    return codec.decode(arrays, meta, version)
+    return codec
+
+
+def decode_layer(kind: str, version: int, arrays: Arrays, meta: Meta) -> Any:
+    """Decode one layer; refuses unknown kinds and versions newer than the codec.
+
+    Raises:
+        UnknownStorageKind, UnsupportedVersion
+    """
+    return readable_codec(kind, version).decode(arrays, meta, version)
 
 
 def layer_coverage(layer: Any) -> Optional[int]:

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import CacheList
 
 from promptstore.codecs._registry import (
     Codec,
+    codec_for_kind,
     codec_for_layer,
     decode_layer,
     encode_layer,
@@ -90,6 +91,18 @@ class CacheListCodec(Codec):
             sub = require(rec, "meta", dict, self.kind)
             caches.append(decode_layer(kind, ver, unprefixed(str(i), arrays), sub))
         return CacheList(*caches)
+
+    def prefix_meta(self, meta, n):
+        inner = meta.get("inner")
+        if not isinstance(inner, list):
+            return None
+        cut = []
+        for rec in inner:
+            sub = codec_for_kind(rec["kind"]).prefix_meta(rec["meta"], n) if isinstance(rec, dict) and isinstance(rec.get("meta"), dict) else None
+            if sub is None:
+                return None
+            cut.append({**rec, "meta": sub})
+        return {**meta, "inner": cut}
 
     def coverage(self, layer):
         known = {n for n in (layer_coverage(c) for c in layer.caches) if n is not None}

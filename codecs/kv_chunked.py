@@ -38,6 +38,10 @@ class ChunkedKVCodec(TrimmableKVCodec):
         cache.start_position = start
         return cache
 
+    def prefix_meta(self, meta, n):
+        # Only a chunk that starts at token 0 holds the entry's tokens in order.
+        return {**meta, "offset": n} if meta.get("start_position") == 0 else None
+
     def coverage(self, layer):
         return int(layer.offset)
 

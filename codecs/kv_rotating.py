@@ -41,6 +41,9 @@ class RotatingKVCodec(TrimmableKVCodec):
     mlx_lm_class = RotatingKVCache
     shared_blocks = False  # a window's positions are not the entry's tokens in order
 
+    def prefix_meta(self, meta, n):
+        return None
+
     def needs_checkpoints(self, layer, n_tokens):
         # A window no longer than the prompt wraps, and a wrapped one cannot trim.
         return not layer.is_trimmable() or n_tokens is None or layer.max_size <= n_tokens

@@ -39,3 +39,101 @@ def set_chunk(store, entry_id: str, i: int, data) -> None:
         store.env.write(lambda t: t.delete(key, db=store._db[b"chunks"]))
     else:
         store.env.write(lambda t: t.put(key, bytes(data), db=store._db[b"chunks"]))
+
+
+# -- shared blocks (entry format 3) ---------------------------------------------------
+
+
+def blocks_of(store, entry_id: str) -> list:
+    """The block addresses an entry's manifest names, in order, repeats included."""
+    from promptstore.format import _entry
+
+    ekey = ekey_of(store, entry_id)
+    with store.env.read() as txn:
+        man = _entry.unpack_manifest(bytes(txn.get(ekey, db=store._db[b"entries"])), entry_id)
+    return [key for key, _ in man.blocks()]
+
+
+def referrers(store) -> dict:
+    """Every block address any manifest names -> the ids of the entries naming it."""
+    from promptstore.format import _entry
+
+    out: dict = {}
+    with store.env.read() as txn:
+        for k, raw in txn.cursor(db=store._db[b"entries"]):
+            eid = _keys.entry_id(bytes(k))
+            for key, _ in _entry.unpack_manifest(bytes(raw), eid).blocks():
+                out.setdefault(key, set()).add(eid)
+    return out
+
+
+def shared_block(store, ids) -> bytes:
+    """A block that exactly the entries ``ids`` reference (fails when there is none)."""
+    want = set(ids)
+    found = [key for key, who in sorted(referrers(store).items()) if who == want]
+    assert found, f"no block is shared by exactly {sorted(want)}"
+    return found[0]
+
+
+def get_block(store, address: bytes):
+    with store.env.read() as txn:
+        raw = txn.get(address, db=store._db[b"blocks"])
+        return None if raw is None else bytes(raw)
+
+
+def set_block(store, address: bytes, data) -> None:
+    """Overwrite a block's bytes in place (its address and count unchanged); None deletes it."""
+    db = store._db[b"blocks"]
+    if data is None:
+        store.env.write(lambda t: t.delete(address, db=db))
+    else:
+        store.env.write(lambda t: t.put(address, bytes(data), db=db))
+
+
+def flip_block(store, address: bytes, at: int = None, bit: int = 0x10) -> None:
+    raw = bytearray(get_block(store, address))
+    raw[len(raw) // 2 if at is None else at] ^= bit
+    set_block(store, address, raw)
+
+
+def audit_blocks(store) -> int:
+    """Check the shared blocks against the manifests, independently of
+    ``verify``: every block a manifest names is stored, with its reference
+    count equal to the references the manifests make and its size equal to
+    its bytes; no block or count record is stored that no manifest names.
+    Returns the number of references checked."""
+    from collections import Counter
+
+    from promptstore.format import _entry
+
+    want: Counter = Counter()
+    size: dict = {}
+    with store.env.read() as txn:
+        for k, raw in txn.cursor(db=store._db[b"entries"]):
+            for key, n in _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k))).blocks():
+                want[key] += 1
+                size[key] = n
+        stored = {bytes(k): len(v) for k, v in txn.cursor(db=store._db[b"blocks"])}
+        refs = {bytes(k): bytes(v) for k, v in txn.cursor(db=store._db[b"refs"])}
+    missing = set(want) - set(stored)
+    assert not missing, f"{len(missing)} blocks named by entries are missing"
+    assert set(stored) == set(want), f"{len(set(stored) - set(want))} blocks stored that no entry names"
+    assert set(refs) == set(want), "reference records differ from the blocks the entries name"
+    for key, count in want.items():
+        rec = refs[key]
+        assert len(rec) == 16 and int.from_bytes(rec[:8], "big") == count, f"block {key.hex()}: count {rec[:8].hex()}, {count} references"
+        assert int.from_bytes(rec[8:], "big") == stored[key] == size[key], f"block {key.hex()}: size"
+    return sum(want.values())
+
+
+def stored_bytes(store) -> int:
+    """What the budget counts, from the records themselves (not the counter):
+    each entry's payload and manifest, plus every stored block once."""
+    from promptstore.format import _entry
+
+    total = 0
+    with store.env.read() as txn:
+        for k, raw in txn.cursor(db=store._db[b"entries"]):
+            total += _entry.unpack_manifest(bytes(raw), "t").payload + len(raw)
+        total += sum(len(v) for _, v in txn.cursor(db=store._db[b"blocks"]))
+    return total

@@ -6,12 +6,17 @@ never touches mlx or a store itself, and forks the workers (a fork costs
 far too slow). Workers open their own PromptStore after the fork, as the
 store requires. The zygote prints one JSON document on stdout.
 
-Content is deterministic: ``make_entry(seed, i)`` gives the same tokens and
-cache in every process, so the test process can check any entry bit-exactly.
+Content is deterministic: ``make_entry(seed, i)`` and ``chat_entry(conv, turn)``
+give the same tokens and cache in every process, so the test process can check
+any entry bit-exactly. ``make_entry``'s entries share nothing; ``chat_entry``'s
+share shared blocks (entry format 3), as a growing chat's do. A worker reports
+the entries it put as ``a b`` pairs of one of them (``content``: ``entries`` or
+``chats``); the layout a worker writes follows ``$PROMPTSTORE_SHARED_BLOCKS``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -46,6 +51,62 @@ def make_entry(seed: int, i: int, big_every: int = 6):
     return tokens, layers
 
 
+SYSTEM = 300  # tokens of the system prompt every chat starts with
+TURNS = 4  # turns of a chat
+
+
+@functools.lru_cache(maxsize=32)
+def _chat(conv: int):
+    """Token ids, keys and values (numpy) of a whole chat, and the token count
+    at the end of each turn: a system prompt all chats share (the same ids and
+    KV bytes), then ``TURNS`` turns of its own (of ~1100 tokens in every fifth
+    chat, spanning several blocks; of 20-120 tokens in the others)."""
+    system = np.random.default_rng([424242])
+    rng = np.random.default_rng([conv, 4242])
+    lens = rng.integers(900, 1300, TURNS) if conv % 5 == 4 else rng.integers(20, 120, TURNS)
+    n = SYSTEM + int(lens.sum())
+    tokens = system.integers(0, 50000, SYSTEM).tolist() + rng.integers(0, 50000, n - SYSTEM).tolist()
+    keys = np.concatenate([system.standard_normal((1, 2, SYSTEM, 64)), rng.standard_normal((1, 2, n - SYSTEM, 64))], axis=2)
+    values = np.concatenate([system.standard_normal((1, 2, SYSTEM, 64)), rng.standard_normal((1, 2, n - SYSTEM, 64))], axis=2)
+    return tokens, keys.astype(np.float32), values.astype(np.float16), (SYSTEM + np.cumsum(lens)).tolist()
+
+
+def chat_entry(conv: int, turn: int):
+    """``(tokens, cache)`` after turn ``turn`` of chat ``conv``: a real mlx-lm
+    KVCache whose positions are a prefix of the chat's, so entries stored turn
+    after turn share blocks along the chat, and every chat's first block (the
+    system prompt's) with every other chat's. Every third chat also has an
+    ArraysCache layer, a state of each turn's own (kept in the entry's payload)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    tokens, keys, values, ends = _chat(conv)
+    n = ends[turn]
+    kv = KVCache()
+    kv.update_and_fetch(mx.array(keys[..., :n, :]), mx.array(values[..., :n, :]))
+    layers = [kv]
+    if conv % 3 == 1:
+        rng = np.random.default_rng([conv, turn, 77])
+        ac = ArraysCache(2)
+        ac[0] = mx.array(rng.standard_normal((1, 3, 16)).astype(np.float32))
+        ac[1] = mx.array(rng.integers(0, 1 << 15, (1, 4, 8)).astype(np.int32))
+        layers.append(ac)
+    return tokens[:n], layers
+
+
+def entry_of(content: str, a: int, b: int, big_every: int = 6):
+    """The entry a worker reports as ``a b``: ``make_entry(a, b)`` or, for ``chats``, ``chat_entry(a, b)``."""
+    return chat_entry(a, b) if content == "chats" else make_entry(a, b, big_every)
+
+
+def _nth(content: str, seed: int, i: int, first_chat: int = 0, chats: int = 10):
+    """What a worker puts ``i``-th: ``(seed, i)``, or turn ``i % TURNS`` of one
+    of ``chats`` chats, taken in turn from ``first_chat`` on (numbered from ``seed * 100``)."""
+    if content != "chats":
+        return seed, i
+    return seed * 100 + (first_chat + i // TURNS) % chats, i % TURNS
+
+
 def same_cache(a, b) -> bool:
     """Bit-exact equality of two caches: class, codec meta and every array."""
     from promptstore.codecs import encode_layer
@@ -75,24 +136,28 @@ def _say(fd: int, line: str) -> None:
 # -- crash: puts killed by SIGKILL --------------------------------------------------
 
 
-def _crash_child(path: str, seed: int, fd: int, budget) -> None:
+def _crash_child(path: str, seed: int, fd: int, content: str, k: int) -> None:
+    """Puts until killed. With ``chats``, child ``k`` starts at chat ``k``
+    and goes on where the next child will start: children replace entries
+    of the one before, and extend its chats, sharing its blocks."""
     from promptstore import PromptStore
 
     try:
         store = PromptStore(path, map_size=1 << 22)  # small map: growth happens under the kills too
         for i in range(10_000):
-            tokens, cache = make_entry(seed, i)
-            _say(fd, f"S {seed} {i}")
-            store.put(MODEL, tokens, cache, meta={"seed": seed, "i": i})
-            _say(fd, f"D {seed} {i}")
+            a, b = _nth(content, seed, i, k)
+            tokens, cache = entry_of(content, a, b)
+            _say(fd, f"S {a} {b}")
+            store.put(MODEL, tokens, cache, meta={"seed": a, "i": b})
+            _say(fd, f"D {a} {b}")
             if i % 3 == 2:  # reads between writes: touches flushed by the next put
-                store.get(MODEL, make_entry(seed, i - 1)[0])
+                store.get(MODEL, entry_of(content, *_nth(content, seed, i - 1, k))[0])
     except BaseException:
         _say(fd, "E " + traceback.format_exc().replace("\n", " | "))
         os._exit(1)
 
 
-def crash(path: str, kills: int, seed: int, budget: str) -> dict:
+def crash(path: str, kills: int, seed: int, content: str) -> dict:
     rng = random.Random(seed)
     done, inflight, errors = [], 0, []
     for k in range(kills):
@@ -100,7 +165,7 @@ def crash(path: str, kills: int, seed: int, budget: str) -> dict:
         pid = os.fork()
         if pid == 0:
             os.close(r)
-            _crash_child(path, seed * 1000 + k, w, None if budget == "none" else int(budget))
+            _crash_child(path, seed if content == "chats" else seed * 1000 + k, w, content, k)
             os._exit(0)
         os.close(w)
         time.sleep(rng.uniform(0.01, 0.2))
@@ -133,16 +198,26 @@ def _drain(fd: int) -> str:
 # -- concurrency: 2 writers + 2 readers -------------------------------------------
 
 
-def _writer(path: str, wid: int, seconds: float, report: str, fd: int) -> None:
+def _opened(barrier) -> None:
+    """Tell the zygote this worker's store is open, then wait for every worker's."""
+    ready, go = barrier
+    os.write(ready, b".")
+    os.read(go, 1)
+
+
+def _writer(path: str, wid: int, seconds: float, report: str, barrier, fd: int) -> None:
     from promptstore import PromptStore
 
     store = PromptStore(path, map_size=1 << 21)
+    _opened(barrier)
     end, i, reads = time.monotonic() + seconds, 0, 0
     with open(report, "a") as rep:
         while time.monotonic() < end:
-            tokens, cache = make_entry(wid, i, big_every=10)
+            # chats of its own (even or odd), all sharing the system prompt's blocks
+            conv, turn = 2 * (i // TURNS) + wid, i % TURNS
+            tokens, cache = chat_entry(conv, turn)
             store.put(MODEL, tokens, cache)
-            rep.write(f"{wid} {i}\n")
+            rep.write(f"{conv} {turn}\n")
             rep.flush()
             if i % 4 == 3:  # read one of the other writer's entries
                 reads += _check_reported(store, report.replace(f"w{wid}", f"w{1 - wid}"), 1)
@@ -158,21 +233,22 @@ def _check_reported(store, report: str, n: int) -> int:
     except FileNotFoundError:
         return 0
     count = 0
-    for wid, i in random.sample(lines, min(n, len(lines))):
-        tokens, cache = make_entry(wid, i, big_every=10)
+    for conv, turn in random.sample(lines, min(n, len(lines))):
+        tokens, cache = chat_entry(conv, turn)
         got = store.get(MODEL, tokens)
         if got is None:
-            raise AssertionError(f"entry ({wid}, {i}) was reported stored but is missing")
+            raise AssertionError(f"chat {conv} turn {turn} was reported stored but is missing")
         if not same_cache(got, cache):
-            raise AssertionError(f"entry ({wid}, {i}) is not bit-exact")
+            raise AssertionError(f"chat {conv} turn {turn} is not bit-exact")
         count += 1
     return count
 
 
-def _reader(path: str, rid: int, seconds: float, reports, fd: int) -> None:
+def _reader(path: str, rid: int, seconds: float, reports, barrier, fd: int) -> None:
     from promptstore import PromptStore
 
     store = PromptStore(path, map_size=1 << 21)
+    _opened(barrier)
     end, reads, listed = time.monotonic() + seconds, 0, 0
     while time.monotonic() < end:
         for rep in reports:
@@ -187,9 +263,12 @@ def _reader(path: str, rid: int, seconds: float, reports, fd: int) -> None:
 
 
 def concurrency(path: str, seconds: float) -> dict:
-
+    """Two writers and two readers, started together once all four have
+    opened the store: an open while another process commits can fail
+    (test_multiprocess.py::test_opening_a_store_while_another_process_commits)."""
     d = os.path.dirname(path.rstrip("/")) or "."
     reports = [os.path.join(d, f"w{w}.txt") for w in (0, 1)]
+    (ready_r, ready_w), (go_r, go_w) = os.pipe(), os.pipe()
     kids = {}
     for role, n in (("writer", 0), ("writer", 1), ("reader", 0), ("reader", 1)):
         r, w = os.pipe()
@@ -198,15 +277,20 @@ def concurrency(path: str, seconds: float) -> dict:
             os.close(r)
             try:
                 if role == "writer":
-                    _writer(path, n, seconds, reports[n], w)
+                    _writer(path, n, seconds, reports[n], (ready_w, go_r), w)
                 else:
-                    _reader(path, n, seconds, reports, w)
+                    _reader(path, n, seconds, reports, (ready_w, go_r), w)
             except BaseException:
                 _say(w, json.dumps({"role": role, "error": traceback.format_exc()}))
+                os.write(ready_w, b"!")  # never keep the others waiting
                 os._exit(1)
             os._exit(0)
         os.close(w)
         kids[pid] = r
+    ready = b""
+    while len(ready) < len(kids):
+        ready += os.read(ready_r, len(kids) - len(ready))
+    os.write(go_w, b"." * len(kids))
     results = []
     for pid, r in kids.items():
         _, status = os.waitpid(pid, 0)
@@ -220,14 +304,14 @@ def concurrency(path: str, seconds: float) -> dict:
 # -- damage: open and read a damaged store in a child ---------------------------------
 
 
-def _damage_child(path: str, expect: list, fd: int) -> None:
+def _damage_child(path: str, expect: list, content: str, fd: int) -> None:
     from promptstore import PromptStore, PromptStoreError
 
     out = {"outcome": "ok", "correct": 0, "missing": 0, "typed_errors": 0}
     try:
         with PromptStore(path) as store:
             for seed, i in expect:
-                tokens, cache = make_entry(seed, i)
+                tokens, cache = entry_of(content, seed, i)
                 try:
                     got = store.get(MODEL, tokens)
                 except PromptStoreError as err:
@@ -285,7 +369,7 @@ def damage(cases_json: str) -> dict:
     """For each case (store path, salvage dst, expected entries): read, then salvage."""
     out = []
     for case in json.loads(cases_json):
-        read = _in_child(_damage_child, case["path"], case["expect"])
+        read = _in_child(_damage_child, case["path"], case["expect"], case.get("content", "entries"))
         salv = _in_child(_salvage_child, case["path"], case["dst"])
         out.append({"name": case["name"], "read": read, "salvage": salv})
     return {"cases": out}
@@ -294,7 +378,7 @@ def damage(cases_json: str) -> dict:
 # -- disk full: a file-size limit in the child -----------------------------------------
 
 
-def _fsize_child(path: str, limit: int, fd: int) -> None:
+def _fsize_child(path: str, limit: int, content: str, fd: int) -> None:
     import resource
 
     from promptstore import PromptStore, PromptStoreError
@@ -306,14 +390,15 @@ def _fsize_child(path: str, limit: int, fd: int) -> None:
     try:
         store = PromptStore(path)
         for i in range(1000):
-            tokens, cache = make_entry(77, i, big_every=3)
+            a, b = _nth(content, 77, i, chats=1000)
+            tokens, cache = entry_of(content, a, b, big_every=3)
             store.put(MODEL, tokens, cache)
-            done.append([77, i])
+            done.append([a, b])
         out = {"outcome": "never full"}
     except PromptStoreError as err:
         out = {"outcome": "error", "type": type(err).__name__, "message": str(err)}
         try:  # the store keeps serving reads after a failed write
-            out["read_after"] = store.get(MODEL, make_entry(77, 0, big_every=3)[0]) is not None
+            out["read_after"] = store.get(MODEL, entry_of(content, *done[0], big_every=3)[0]) is not None
         except BaseException as e:
             out["read_after"] = repr(e)
     except BaseException:
@@ -322,8 +407,8 @@ def _fsize_child(path: str, limit: int, fd: int) -> None:
     _say(fd, json.dumps(out))
 
 
-def fsize(path: str, limit: int) -> dict:
-    return _in_child(_fsize_child, path, limit)
+def fsize(path: str, limit: int, content: str = "entries") -> dict:
+    return _in_child(_fsize_child, path, limit, content)
 
 
 def _compact_child(path: str, seconds: float, report: str, fd: int) -> None:
@@ -333,13 +418,15 @@ def _compact_child(path: str, seconds: float, report: str, fd: int) -> None:
     end, i, gens = time.monotonic() + seconds, 0, set()
     with open(report, "a") as rep:
         while time.monotonic() < end:
-            tokens, cache = make_entry(55, i, big_every=0)
+            conv, turn = _nth("chats", 55, i, chats=1000)
+            tokens, cache = chat_entry(conv, turn)
             store.put(MODEL, tokens, cache)
-            rep.write(f"55 {i}\n")
+            rep.write(f"{conv} {turn}\n")
             rep.flush()
-            got = store.get(MODEL, make_entry(55, i // 2, big_every=0)[0])
-            if got is None or not same_cache(got, make_entry(55, i // 2, big_every=0)[1]):
-                raise AssertionError(f"entry (55, {i // 2}) lost or damaged across compaction")
+            then = _nth("chats", 55, i // 2, chats=1000)
+            got = store.get(MODEL, chat_entry(*then)[0])
+            if got is None or not same_cache(got, chat_entry(*then)[1]):
+                raise AssertionError(f"chat {then} lost or damaged across compaction")
             gens.add(store.env.generation)
             i += 1
             time.sleep(0.005)
@@ -386,7 +473,7 @@ if __name__ == "__main__":
     elif mode == "damage":
         res = damage(args[0])
     elif mode == "fsize":
-        res = fsize(args[0], int(args[1]))
+        res = fsize(args[0], int(args[1]), *args[2:])
     elif mode == "compact_peer":
         res = compact_peer(args[0], float(args[1]), args[2])
     else:

@@ -26,6 +26,14 @@ def small_blobs(monkeypatch):
     monkeypatch.setattr(_blobs, "MIN_PAYLOAD", SMALL)
 
 
+@pytest.fixture(autouse=True)
+def payload_layout(monkeypatch):
+    """Blob files hold an entry's own payload, which shared blocks leave a KV
+    cache without: these tests of how a blob's bytes move write entries
+    without shared blocks (format 2), as does the process one of them starts."""
+    monkeypatch.setenv("PROMPTSTORE_SHARED_BLOCKS", "0")
+
+
 def test_restored_arrays_sit_at_their_file_alignment(tmp_path, small_blobs):
     """Each array read from a blob starts at the address its bytes have in the
     file, modulo 64 (the kernel then copies whole cache lines), whatever the

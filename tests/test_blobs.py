@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from _raw import raw_manifest, write_manifest
-from _workers import MODEL, make_entry, same_cache
+from _raw import audit_blocks, get_block, raw_manifest, shared_block, write_manifest
+from _workers import MODEL, chat_entry, make_entry, same_cache
 from test_crash import check_after_crashes, run_worker
 from promptstore import CorruptEntry, PromptStore, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _payload
@@ -40,6 +40,15 @@ def _man(store, tokens):
 @pytest.fixture
 def small_blobs(monkeypatch):
     monkeypatch.setattr(_blobs, "MIN_PAYLOAD", SMALL)
+
+
+@pytest.fixture(autouse=True)
+def payload_layout(monkeypatch):
+    """A blob file holds an entry's own payload, which shared blocks leave a KV
+    cache without: these tests of the blob path write entries without shared
+    blocks (format 2), as do the processes they start. Blob files of entries
+    with shared blocks: the tests that pass ``shared_blocks=True``."""
+    monkeypatch.setenv("PROMPTSTORE_SHARED_BLOCKS", "0")
 
 
 def test_a_large_entry_is_one_blob_file_and_restores_bit_exactly(tmp_path):
@@ -205,16 +214,22 @@ class _Race:
         return out[0]
 
 
-def test_readers_and_a_replacing_writer_in_threads(tmp_path, small_blobs):
+@pytest.mark.parametrize("shared_blocks", [False, True], ids=["payload", "shared-blocks"])
+def test_readers_and_a_replacing_writer_in_threads(tmp_path, small_blobs, shared_blocks, monkeypatch):
+    """With shared blocks: the KV in blocks that a replacing put releases (and
+    removes) in the transaction that commits the other version, the
+    recurrent state in a blob file."""
     tokens = make_entry(9, 0, big_every=1)[0]
     n = len(tokens)
     variants = []
     for seed in (9, 10):
-        c = make_entry(seed, 0, big_every=1)[1]
+        c = make_entry(seed, 1, big_every=1)[1]  # a KV layer and an ArraysCache layer
         c[0].keys, c[0].values = c[0].keys[..., :n, :], c[0].values[..., :n, :]
         c[0].offset = n
-        variants.append(c[:1])
-    store = PromptStore(tmp_path / "s")
+        variants.append(c if shared_blocks else c[:1])
+    if shared_blocks:
+        monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 256)  # the 320-byte state goes to a blob
+    store = PromptStore(tmp_path / "s", shared_blocks=shared_blocks)
     stop = time.monotonic() + 3
     errors, reads = [], [0, 0]
 
@@ -248,13 +263,21 @@ def test_readers_and_a_replacing_writer_in_threads(tmp_path, small_blobs):
         t.join()
     assert errors == [] and min(reads) > 3
     assert len(_files(tmp_path / "s")) <= 1 and store.verify().orphan_blobs == 0
+    there = store.get(MODEL, tokens) is not None  # the writer's last step may have been a delete
+    assert store.verify().ok and audit_blocks(store) == (2 * 18 if shared_blocks and there else 0)  # 4400 tokens: 18 blocks
     store.close()
 
 
-def test_a_replacing_writer_process_and_a_reader_process(tmp_path):
+@pytest.mark.parametrize("shared_blocks", [False, True], ids=["payload", "shared-blocks"])
+def test_a_replacing_writer_process_and_a_reader_process(tmp_path, shared_blocks, monkeypatch):
     """A writer process replaces and deletes blob entries while this process
-    reads them: every read is a miss or one of the versions, bit for bit."""
+    reads them: every read is a miss or one of the versions, bit for bit.
+    With shared blocks the KV is in blocks (released and removed by the
+    replacing puts), and each entry with an ArraysCache layer keeps its state
+    in a blob file."""
     path = tmp_path / "s"
+    blob_min = 256 if shared_blocks else SMALL
+    monkeypatch.setenv("PROMPTSTORE_SHARED_BLOCKS", "1" if shared_blocks else "0")
     code = textwrap.dedent(
         f"""
         import sys, time
@@ -262,7 +285,7 @@ def test_a_replacing_writer_process_and_a_reader_process(tmp_path):
         from promptstore import PromptStore
         from promptstore.format import _blobs
         from _workers import make_entry
-        _blobs.MIN_PAYLOAD = {SMALL}
+        _blobs.MIN_PAYLOAD = {blob_min}
         store = PromptStore({str(path)!r})
         keys = [make_entry(11, k, big_every=1)[0] for k in range(3)]
         end, i = time.monotonic() + 4, 0
@@ -296,20 +319,62 @@ def test_a_replacing_writer_process_and_a_reader_process(tmp_path):
     assert int(out) > 10 and reads > 10 and hits > 0
     with PromptStore(path) as store:
         assert store.verify().ok and store.verify().orphan_blobs == 0
+        assert (audit_blocks(store) > 0) == shared_blocks  # (three entries, all with KV)
 
 
-def test_sigkill_during_puts_to_blob_files(tmp_path):
+@pytest.mark.parametrize("shared_blocks", [False, True], ids=["payload", "shared-blocks"])
+def test_sigkill_during_puts_to_blob_files(tmp_path, shared_blocks):
+    """With shared blocks: chats whose KV is in blocks they share and whose
+    recurrent state (320 bytes, over the lowered threshold) is in a blob file."""
     kills = 150 if os.environ.get("PROMPTSTORE_STRESS") == "1" else 25
-    res = run_worker("crash", tmp_path / "store", kills, 3, "none", blob_min=SMALL)
+    content, blob_min = ("chats", 256) if shared_blocks else ("entries", SMALL)
+    res = run_worker("crash", tmp_path / "store", kills, 3, content, blob_min=blob_min, shared_blocks=shared_blocks)
     assert res["errors"] == [] and res["inflight_at_kill"] >= 5
-    store = check_after_crashes(tmp_path / "store", res["done"])
+    store = check_after_crashes(tmp_path / "store", res["done"], content)
     with store.env.read() as txn:
-        named = {m.blob for m in (_entry.unpack_manifest(bytes(r), "x") for _, r in txn.cursor(db=store._db[b"entries"])) if m.blob}
+        mans = [_entry.unpack_manifest(bytes(r), "x") for _, r in txn.cursor(db=store._db[b"entries"])]
+    named = {m.blob for m in mans if m.blob}
     assert named  # blob entries were committed between the kills
+    assert any(m.blob and m.bounds for m in mans) == shared_blocks  # format 3 with a blob file
     assert named <= set(_files(tmp_path / "store"))
     store.gc()  # leftovers of the killed puts go; every committed file stays
     assert set(_files(tmp_path / "store")) == named and store.verify().orphan_blobs == 0
     store.close()
+
+
+def test_a_shared_block_entry_keeps_its_own_payload_in_a_blob(tmp_path, monkeypatch):
+    """Format 3 with a blob file: the KV arrays in blocks that the turns of a
+    chat share, each turn's recurrent state (its own payload) in a blob file.
+    A flipped byte in one blob fails that entry only: the turns sharing its
+    blocks restore bit-exactly, and verify --fix removes the entry and its
+    file but not the blocks the others reference."""
+    monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 256)  # the 320-byte state goes to a blob
+    path = tmp_path / "s"
+    items = [chat_entry(1, turn) for turn in range(3)]  # chat 1: a KV and an ArraysCache layer
+    with PromptStore(path, shared_blocks=True) as store:
+        for tokens, cache in items:
+            store.put(MODEL, tokens, cache)
+        mans = [_man(store, tokens) for tokens, _ in items]
+        assert all(m.blob and m.bounds for m in mans) and sorted(_files(path)) == sorted(m.blob for m in mans)
+        shared = shared_block(store, [m.entry_id for m in mans])  # the system prompt's first block
+        victim = mans[1]
+        with open(path / "blobs" / victim.blob, "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0x08]))
+        with pytest.raises(CorruptEntry, match="checksum mismatch"):
+            store.get(MODEL, items[1][0])
+        for i in (0, 2):
+            assert same_cache(store.get(MODEL, items[i][0]), items[i][1])
+        rep = store.verify()
+        assert [eid for eid, _ in rep.problems] == [victim.entry_id] and not rep.bad_counts
+        store.verify(fix=True)
+        assert store.get(MODEL, items[1][0]) is None and store.verify().ok
+        assert sorted(_files(path)) == sorted([mans[0].blob, mans[2].blob])
+        assert get_block(store, shared) is not None and audit_blocks(store)
+        for i in (0, 2):
+            assert same_cache(store.get(MODEL, items[i][0]), items[i][1])
 
 
 def _killed(path: Path, patch: str, body: str) -> subprocess.CompletedProcess:

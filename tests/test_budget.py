@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from _workers import MODEL, make_entry, same_cache
+from _raw import audit_blocks, ekey_of, stored_bytes
+from _workers import MODEL, chat_entry, entry_of, make_entry, same_cache
 from promptstore import InvalidInput, PromptStore, StoreFull
-from promptstore.store import _budget, _env, _keys
+from promptstore.store import _env
 from promptstore.format import _entry
 
 HERE = Path(__file__).resolve().parent
@@ -25,64 +26,98 @@ STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
 
 
 def true_usage(store) -> int:
-    """Bytes of every entry, from the manifests themselves (not the counter)."""
-    total = 0
-    with store.env.read() as txn:
-        for k, raw in txn.cursor(db=store._db[b"entries"]):
-            total += _entry.unpack_manifest(bytes(raw), "t").payload + len(raw)
-    return total
+    """Bytes of every entry's payload and manifest and of every stored block,
+    once however many entries share it: from the records themselves (not the counter)."""
+    return stored_bytes(store)
 
 
 def ids(store):
     return {e.id for e in store.entries()}
 
 
+def footprint(store, eid: str):
+    """An entry's own bytes (payload and manifest) and its blocks: ``{address: bytes}``."""
+    ekey = ekey_of(store, eid)
+    with store.env.read() as txn:
+        raw = bytes(txn.get(ekey, db=store._db[b"entries"]))
+    man = _entry.unpack_manifest(raw, eid)
+    return man.payload + len(raw), dict(man.blocks())
+
+
+def _halved(tokens, cache):
+    """The first half of an entry: a prefix of its tokens and KV (its other layers as they are)."""
+    from mlx_lm.models.cache import KVCache
+
+    n = len(tokens) // 2
+    kv = KVCache()
+    kv.keys, kv.values, kv.offset = cache[0].keys[..., :n, :], cache[0].values[..., :n, :], n
+    return tokens[:n], [kv] + cache[1:]
+
+
+def _total(entries) -> int:
+    """What a set of entries stores: each one's own bytes, and every block once."""
+    blocks = {}
+    for _, own, _, refs in entries:
+        blocks.update(refs)
+    return sum(own for _, own, _, _ in entries) + sum(blocks.values())
+
+
 def test_random_workload_lru_and_pins(tmp_path):
-    """Random puts/gets/pins under a budget, against a model of LRU eviction."""
+    """Random puts/gets/pins under a budget, against a model of LRU eviction.
+    Some puts store the first half of an entry, so the whole entry put later
+    shares its blocks: evicting one of the two then frees only its own bytes."""
     steps = 600 if STRESS else 150
     budget = 3_000_000
     rng = random.Random(4)
     store = PromptStore(tmp_path / "s", budget=budget)
-    model = {}  # id -> (last use order, size, key tokens)
+    model = {}  # id -> (last use order, own size, key tokens, {block: size})
     pinned = set()
     clock = 0
-    sizes_seen = []
+    shared = 0  # puts that share blocks with a stored entry
+    halves = []  # (i, big) of entries whose first half was put
+    evicted = 0
     for step in range(steps):
         clock += 1
         op = rng.random()
         if op < 0.55 or not model:
-            i = rng.randrange(400)
+            if halves and rng.random() < 0.4:  # the whole of an entry whose first half was put
+                i, big = halves.pop(rng.randrange(len(halves)))
+                half = False
+            else:
+                i, big, half = rng.randrange(400), rng.random() < 0.1, rng.random() < 0.3
             tokens, cache = make_entry(21, i, big_every=0)
-            if rng.random() < 0.1:  # a few big ones: ~1.2 MB
+            if big:  # a few big ones: ~1.2 MB
                 tokens, cache = make_entry(22, i, big_every=1)
                 cache[0].keys, cache[0].values = cache[0].keys[..., :1200, :], cache[0].values[..., :1200, :]
                 cache[0].offset = 1200
                 tokens = tokens[:1200]
+            if half:
+                tokens, cache = _halved(tokens, cache)
+                halves.append((i, big))
             info = store.put(MODEL, tokens, cache)
-            with store.env.read() as txn:
-                size = _budget.size_of(txn, store._db, _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens)))
-            sizes_seen.append(size)
-            model[info.id] = (clock, size, tokens)
-            # the model evicts LRU unpinned entries, never the new one
-            total = sum(s for _, s, _ in model.values())
-            for eid, (t, s, _) in sorted(model.items(), key=lambda kv: kv[1][0]):
-                if total <= budget:
+            own, refs = footprint(store, info.id)
+            assert sum(refs.values()) == info.shared  # its KV, in blocks
+            shared += any(refs.keys() & other for eid, (_, _, _, other) in model.items() if eid != info.id)
+            model[info.id] = (clock, own, tokens, refs)
+            # the model evicts LRU unpinned entries, never the new one, until what stays fits
+            for eid, _ in sorted(model.items(), key=lambda kv: kv[1][0]):
+                if _total(model.values()) <= budget:
                     break
                 if eid in pinned or eid == info.id:
                     continue
+                evicted += 1
                 del model[eid]
-                total -= s
             assert ids(store) == set(model), f"step {step}: the store did not evict least-recently-used first"
-            assert true_usage(store) == store.usage() == total
-            assert store.usage() <= budget + size  # never over the budget plus the entry being written
+            assert true_usage(store) == store.usage() == _total(model.values())
+            assert store.usage() <= budget + own + sum(refs.values())  # never over the budget plus the entry being written
         elif op < 0.85:
             eid = rng.choice(sorted(model))
-            t, s, tokens = model[eid]
+            t, own, tokens, refs = model[eid]
             assert store.get(MODEL, tokens) is not None
-            model[eid] = (clock, s, tokens)
+            model[eid] = (clock, own, tokens, refs)
         elif op < 0.93 and len(pinned) < 3:
             eid = rng.choice(sorted(model))
-            if sum(model[p][1] for p in pinned | {eid}) <= budget // 2:
+            if _total([model[p] for p in pinned | {eid}]) <= budget // 2:
                 store.pin(eid)
                 pinned.add(eid)
         elif pinned:
@@ -91,8 +126,10 @@ def test_random_workload_lru_and_pins(tmp_path):
             pinned.discard(eid)
         assert pinned <= ids(store), "a pinned entry was evicted"
     assert set(store.pinned()) == pinned
-    print(f"\nbudget: {steps} random ops, {len(ids(store))} entries left, usage {store.usage()} of {budget}, "
-          f"file {store.file_size()} bytes")
+    assert shared >= 3 and evicted >= 10, (shared, evicted)  # it shared blocks, and evicted
+    audit_blocks(store)
+    print(f"\nbudget: {steps} random ops, {shared} puts sharing blocks, {evicted} evicted, {len(ids(store))} entries left, "
+          f"usage {store.usage()} of {budget}, file {store.file_size()} bytes")
     # LMDB reuses freed pages: the file stays within a small multiple of the budget
     assert store.file_size() < 4 * budget + (4 << 20)
     store.close()
@@ -135,6 +172,20 @@ def test_budget_refusals_and_gc(tmp_path):
         assert store.pinned() == []
 
 
+@pytest.mark.parametrize("shared_blocks", [False, True], ids=["payload", "shared-blocks"])
+def test_a_budget_below_the_pinned_bytes_is_refused(tmp_path, shared_blocks):
+    """A pinned entry is never evicted: a budget below what it stores (its
+    KV included, wherever it is kept) could never be met, so it is refused."""
+    with PromptStore(tmp_path / "s", shared_blocks=shared_blocks) as store:
+        tokens, cache = make_entry(34, 0, big_every=1)  # 4400 tokens, ~3.4 MB of KV
+        info = store.put(MODEL, tokens, cache)
+        store.pin(info.id)
+        assert store.usage() == true_usage(store) > info.nbytes
+        with pytest.raises(StoreFull, match="pinned"):
+            store.set_budget(store.usage() // 2)
+        assert store.budget is None and store.usage() == true_usage(store)
+
+
 def test_compact_shrinks_and_keeps_everything(tmp_path):
     with PromptStore(tmp_path / "s") as store:
         items = [make_entry(41, i) for i in range(12)]  # two big (~4.5 MB) ones
@@ -155,8 +206,9 @@ def test_compact_shrinks_and_keeps_everything(tmp_path):
 
 
 def test_compact_while_another_process_writes(tmp_path):
-    """A peer process puts and reads while this one compacts twice; it moves
-    to each new generation, loses nothing, and sees no error."""
+    """A peer process puts (the turns of chats, sharing blocks) and reads while
+    this one compacts twice; it moves to each new generation, loses nothing,
+    and sees no error."""
     path, report = tmp_path / "s", tmp_path / "peer.txt"
     with PromptStore(path) as store:
         for i in range(30):
@@ -180,10 +232,11 @@ def test_compact_while_another_process_writes(tmp_path):
     assert doc["puts"] > 10 and len(doc["generations"]) >= 2, doc
     with PromptStore(path) as store:
         assert store.verify().ok
+        audit_blocks(store)  # the peer's chats share blocks: every count survived both copies
         lines = report.read_text().split()
         done = [(int(a), int(b)) for a, b in zip(lines[::2], lines[1::2])]
-        for seed, i in done:
-            assert store.get(MODEL, make_entry(seed, i, big_every=0)[0]) is not None, (seed, i)
+        for conv, turn in done:
+            assert store.get(MODEL, chat_entry(conv, turn)[0]) is not None, (conv, turn)
         for i in range(25, 30):
             assert same_cache(store.get(MODEL, make_entry(42, i)[0]), make_entry(42, i)[1])
     assert sorted(p.name for p in path.iterdir()) == ["CURRENT", "gen-2"]
@@ -195,12 +248,12 @@ def test_map_full_is_store_full(tmp_path, monkeypatch):
     with PromptStore(tmp_path / "s", map_size=1 << 20) as store:
         kept = []
         with pytest.raises(StoreFull, match="map") as exc:
-            for i in range(100):
-                t, c = make_entry(51, i, big_every=0)
+            for i in range(100):  # the turns of chats: each shares blocks with the turns before
+                t, c = chat_entry(5100 + i // 4, i % 4)
                 store.put(MODEL, t, c)
                 kept.append((t, c))
         assert "promptstore gc" in str(exc.value) and str(tmp_path) in str(exc.value)
-        assert kept and store.verify().ok
+        assert kept and store.verify().ok and audit_blocks(store)
         for t, c in kept:
             assert same_cache(store.get(MODEL, t), c)
 
@@ -208,11 +261,11 @@ def test_map_full_is_store_full(tmp_path, monkeypatch):
 def test_file_size_limit_is_store_full(tmp_path):
     """RLIMIT_FSIZE (EFBIG) in a child: StoreFull with a hint; nothing committed lost."""
     path = tmp_path / "s"
-    res = _run("fsize", path, 6_000_000)
+    res = _run("fsize", path, 6_000_000, "chats")
     assert res["outcome"] == "error" and res["type"] == "StoreFull", res
     assert "ulimit" in res["message"] or "no room" in res["message"], res["message"]
     assert res["done"] and res["read_after"] is True
-    _check_done(path, res["done"])
+    _check_done(path, res["done"], "chats")
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="needs root to mount a small tmpfs")
@@ -222,11 +275,11 @@ def test_disk_full_is_store_full(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount tmpfs here")
     try:
-        res = _run("fsize", mnt / "s", 1 << 40)  # no file limit: the disk itself fills
+        res = _run("fsize", mnt / "s", 1 << 40, "chats")  # no file limit: the disk itself fills
         assert res["outcome"] == "error" and res["type"] == "StoreFull", res
         assert "disk" in res["message"] or "no room" in res["message"], res["message"]
         assert res["done"] and res["read_after"] is True
-        _check_done(mnt / "s", res["done"])
+        _check_done(mnt / "s", res["done"], "chats")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -238,11 +291,12 @@ def _run(*args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_done(path, done):
+def _check_done(path, done, content="entries"):
     with PromptStore(path) as store:
         assert store.verify().ok
-        for seed, i in done:
-            t, c = make_entry(seed, i, big_every=3)
+        audit_blocks(store)  # the failed put left no count or block behind
+        for a, b in done:
+            t, c = entry_of(content, a, b, big_every=3)
             assert same_cache(store.get(MODEL, t), c)
 
 

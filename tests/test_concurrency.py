@@ -2,7 +2,10 @@
 
 No errors; every put a writer reported (after it returned) is readable,
 bit-exact, by the other processes; nothing listed ever loads partially. The
-map starts at 2 MiB so it grows (MapResizedError in the others) under load.
+writers put the turns of chats (``_workers.chat_entry``): along a chat entries
+share blocks, and every chat of both writers shares the system prompt's, so
+the two processes count references to the same blocks. The map starts at
+2 MiB so it grows (MapResizedError in the others) under load.
 PROMPTSTORE_STRESS=1 runs 60 s instead of 5.
 """
 
@@ -10,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from _raw import audit_blocks, referrers
+from _workers import SYSTEM
 from test_crash import run_worker
 
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
@@ -30,6 +35,11 @@ def test_two_writers_two_readers(tmp_path):
 
     with PromptStore(tmp_path / "store") as store:
         assert store.verify().ok
-        assert len(list(store.entries())) == sum(w["puts"] for w in writers)
+        assert audit_blocks(store) > 0  # every count exact, every named block stored
+        infos = list(store.entries())
+        assert len(infos) == sum(w["puts"] for w in writers)
+        # the system prompt's blocks: referenced by every entry of both writers
+        assert max(len(who) for who in referrers(store).values()) == len(infos)
+        assert all(info.n_tokens > SYSTEM for info in infos)
     print(f"\nconcurrency: 4 processes x {seconds} s: {sum(w['puts'] for w in writers)} puts, "
           f"{sum(r['reads'] for r in res['results'])} checked reads, {sum(r.get('listed_loads', 0) for r in readers)} listed loads")

@@ -1,8 +1,10 @@
-"""Flipped bytes in payload chunks and manifests, through LMDB and in data.mdb.
+"""Flipped bytes in payload chunks, shared blocks and manifests, through LMDB
+and in data.mdb.
 
 Every get returns a bit-exact cache or raises a typed PromptStoreError;
-verify() reports every damaged entry; verify(fix=True) leaves a clean store
-in which every undamaged entry is still bit-exact.
+verify() reports every damaged entry (every entry referencing a damaged
+block); verify(fix=True) leaves a clean store in which every undamaged entry
+is still bit-exact.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from _workers import MODEL, make_entry, same_cache
+from _raw import audit_blocks, referrers
+from _workers import MODEL, TURNS, chat_entry, make_entry, same_cache
 from promptstore import PromptStore, PromptStoreError
 from promptstore.store import _keys
 
@@ -42,11 +45,23 @@ def extra_entries(rng: np.random.Generator):
 
 
 def fill(store, n_plain: int):
+    """``n_plain`` entries sharing nothing, the extra kinds, and the turns of
+    two chats (one with an ArraysCache layer): those share blocks along each
+    chat, and the system prompt's across both."""
     rng = np.random.default_rng(5)
-    items = [make_entry(3, i) for i in range(n_plain)] + extra_entries(rng)
+    chats = [chat_entry(conv, turn) for conv in (30, 31) for turn in range(TURNS)]
+    items = [make_entry(3, i) for i in range(n_plain)] + extra_entries(rng) + chats
     for tokens, cache in items:
         store.put(MODEL, tokens, cache, meta={"note": "x" * 10})
     return items
+
+
+def users(store, items) -> dict:
+    """Block address -> the entry keys of the entries referencing it."""
+    by_id = {_keys.entry_id(ekey(t)): ekey(t) for t, _ in items}
+    found = {k: {by_id[e] for e in who} for k, who in referrers(store).items()}
+    assert sum(len(who) > 2 for who in found.values()) >= 4  # the chats' blocks are shared
+    return found
 
 
 def ekey(tokens) -> bytes:
@@ -70,6 +85,8 @@ def check_all(store, items, damaged):
         except PromptStoreError:
             typed += 1
             assert ekey(tokens) in damaged, "an undamaged entry raised"
+            hit = store.lookup(MODEL, list(tokens) + [7])  # never raises: the damaged entry is skipped
+            assert hit is None or hit.info.id != _keys.entry_id(ekey(tokens)), "lookup served a damaged entry"
             continue
         assert got is not None
         assert same_cache(got, cache), "a get returned a cache that is not bit-exact"
@@ -85,6 +102,7 @@ def fix_and_recheck(store, items, damaged):
     assert len(rep.problems) == len(damaged)
     after = store.verify()
     assert after.ok, after
+    audit_blocks(store)  # the blocks only damaged entries referenced went with them
     for tokens, cache in items:
         got = store.get(MODEL, tokens)
         if ekey(tokens) in damaged:
@@ -98,32 +116,45 @@ def fix_and_recheck(store, items, damaged):
             assert hit is not None and hit.matched == len(tokens)
 
 
-@pytest.mark.parametrize("target", ["chunk", "manifest"])
+@pytest.mark.parametrize("target", ["chunk", "block", "manifest"])
 def test_flips_through_lmdb(tmp_path, target):
     cycles = 20 if STRESS else 4
-    rng = random.Random(11 if target == "chunk" else 12)
+    rng = random.Random({"chunk": 11, "manifest": 12, "block": 14}[target])
     flips = n_damaged = 0
     for cycle in range(cycles):
         flips_c, damaged = _lmdb_cycle(tmp_path / f"s{cycle}", target, rng)
         flips += flips_c
         n_damaged += len(damaged)
-    print(f"\n{target}: {flips} flips through LMDB in {cycles} stores, {n_damaged} damaged entries of {cycles * 17}")
+    print(f"\n{target}: {flips} flips through LMDB in {cycles} stores, {n_damaged} damaged entries of {cycles * 25}")
 
 
 def _lmdb_cycle(path, target, rng):
+    """Flip bytes of random records: a payload chunk (its entry damaged), a
+    shared block (most often one several entries share: all of them damaged)
+    or a manifest."""
     flips = 0
     with PromptStore(path) as store:
         items = fill(store, 14)
+        blocks = users(store, items)
+        chunked = []  # (entry key, chunks)
+        with store.env.read() as txn:
+            for tokens, _ in items:
+                k = ekey(tokens)
+                n = sum(1 for i in range(64) if txn.get(k + _keys.u32(i), db=store._db[b"chunks"]) is not None)
+                if n:
+                    chunked.append((k, n))
         damaged = set()
         for r in range(12):
-            tokens, _ = items[rng.randrange(len(items))]
-            k = ekey(tokens)
             if target == "chunk":
-                with store.env.read() as txn:
-                    nchunks = sum(1 for _ in range(64) if txn.get(k + _keys.u32(_), db=store._db[b"chunks"]) is not None)
-                key, db = k + _keys.u32(rng.randrange(nchunks)), store._db[b"chunks"]
+                k, n = chunked[rng.randrange(len(chunked))]
+                key, db, hurt = k + _keys.u32(rng.randrange(n)), store._db[b"chunks"], {k}
+            elif target == "block":
+                shared = sorted(b for b, who in blocks.items() if len(who) > 1)
+                key = rng.choice(shared if rng.random() < 0.7 else sorted(blocks))
+                db, hurt = store._db[b"blocks"], blocks[key]
             else:
-                key, db = k, store._db[b"entries"]
+                tokens, _ = items[rng.randrange(len(items))]
+                key, db, hurt = ekey(tokens), store._db[b"entries"], {ekey(tokens)}
             with store.env.read() as txn:
                 old = txn.get(key, db=db)
             if old is None:  # already removed by a fix in this run
@@ -131,7 +162,7 @@ def _lmdb_cycle(path, target, rng):
             old = bytes(old)
             if target == "manifest" and rng.random() < 0.7:
                 # Most manifest bytes are token ids (caught by the key check); aim at the rest.
-                tok = _keys.as_tokens(tokens).astype("<u4").tobytes()
+                tok = _keys.as_tokens(items[[ekey(t) for t, _ in items].index(key)][0]).astype("<u4").tobytes()
                 at = old.find(tok)
                 spots = [i for i in range(len(old)) if not at <= i < at + len(tok)]
                 b = bytearray(old)
@@ -140,9 +171,11 @@ def _lmdb_cycle(path, target, rng):
                 new = bytes(b)
             else:
                 new = flip(old, rng)
+            if new == old:  # two flips of one byte undid each other
+                continue
             store.env.write(lambda t: t.put(key, new, db=db))
             flips += 1
-            damaged.add(k)
+            damaged |= hurt
             if r % 4 == 3:
                 check_all(store, items, damaged)
         check_all(store, items, damaged)
@@ -169,7 +202,7 @@ def test_flips_in_data_file(tmp_path):
         f, d = _file_cycle(tmp_path / f"s{cycle}", rng)
         flips += f
         n_damaged += d
-    print(f"\ndata.mdb: {flips} flips at value offsets in {cycles} stores, {n_damaged} damaged entries of {cycles * 17}")
+    print(f"\ndata.mdb: {flips} flips at value offsets in {cycles} stores, {n_damaged} damaged entries of {cycles * 25}")
 
 
 def _file_cycle(path, rng):
@@ -177,15 +210,17 @@ def _file_cycle(path, rng):
     with PromptStore(path) as store:
         items = fill(store, 14)
         data_file = store.env.dir / "data.mdb"
-        values = []  # (entry key, value bytes)
+        values = []  # (keys of the entries it belongs to, value bytes)
         with store.env.read() as txn:
             for tokens, _ in items:
                 k = ekey(tokens)
-                values.append((k, bytes(txn.get(k, db=store._db[b"entries"]))))
+                values.append(({k}, bytes(txn.get(k, db=store._db[b"entries"]))))
                 i = 0
                 while (c := txn.get(k + _keys.u32(i), db=store._db[b"chunks"])) is not None:
-                    values.append((k, bytes(c)))
+                    values.append(({k}, bytes(c)))
                     i += 1
+            for key, who in users(store, items).items():  # a block: every entry that references it
+                values.append((who, bytes(txn.get(key, db=store._db[b"blocks"]))))
     damaged, flips = set(), 0
     blob = bytearray(data_file.read_bytes())
     for _ in range(rounds):
@@ -207,7 +242,7 @@ def _file_cycle(path, rng):
                 for at in hits:
                     b[at + pos] ^= x
                 values[j] = (kk, bytes(b))
-                damaged.add(kk)
+                damaged |= kk
     data_file.write_bytes(bytes(blob))
     with PromptStore(path) as store:
         check_all(store, items, damaged)

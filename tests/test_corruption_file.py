@@ -14,7 +14,8 @@ import os
 import random
 import shutil
 
-from _workers import MODEL, make_entry, same_cache
+from _raw import audit_blocks, referrers
+from _workers import MODEL, TURNS, chat_entry, same_cache
 from promptstore import PromptStore
 from test_crash import run_worker
 
@@ -50,18 +51,21 @@ def damage_cases(base, rng):
 
 
 def test_file_damage_then_salvage(tmp_path):
+    """The store holds the turns of four chats: entries that share blocks, so
+    a damaged page of a shared block damages every entry that references it."""
     base = tmp_path / "base"
-    expect = [[61, i] for i in range(N)]
+    expect = [[61 + i // TURNS, i % TURNS] for i in range(N)]
     with PromptStore(base) as store:
-        for seed, i in expect:
-            store.put(MODEL, *make_entry(seed, i))
+        for conv, turn in expect:
+            store.put(MODEL, *chat_entry(conv, turn))
+        assert max(len(who) for who in referrers(store).values()) == N  # the system prompt's blocks
     rng = random.Random(8)
     cases = []
     for name, hurt in damage_cases(base, rng).items():
         d = tmp_path / name
         shutil.copytree(base, d)
         hurt(d)
-        cases.append({"name": name, "path": str(d), "dst": str(tmp_path / f"{name}.salvaged"), "expect": expect})
+        cases.append({"name": name, "path": str(d), "dst": str(tmp_path / f"{name}.salvaged"), "expect": expect, "content": "chats"})
     res = run_worker("damage", json.dumps(cases))
     lines, crashes = [], []
     for case, out in zip(cases, res["cases"]):
@@ -82,10 +86,11 @@ def test_file_damage_then_salvage(tmp_path):
         if salv["outcome"] == "ok":
             with PromptStore(case["dst"]) as dst:
                 assert dst.verify().ok
+                audit_blocks(dst)  # the copies' blocks, each stored once and counted right
                 infos = list(dst.entries())
                 assert len(infos) == salv["copied"]
-                for seed, i in expect:
-                    t, c = make_entry(seed, i)
+                for conv, turn in expect:
+                    t, c = chat_entry(conv, turn)
                     got = dst.get(MODEL, t)
                     assert got is None or same_cache(got, c)
                 if read["outcome"] == "ok":  # whatever read correctly was salvaged

@@ -1,8 +1,11 @@
 """kill -9 during puts: nothing committed is lost, nothing partial is visible.
 
 A zygote subprocess (tests/_workers.py) forks writer children and SIGKILLs
-each at a random moment; a child reports ``D seed i`` on a pipe only after
-``put`` returned. PROMPTSTORE_STRESS=1 multiplies the kills.
+each at a random moment; a child reports ``D a b`` on a pipe only after
+``put`` returned. On the default layout the children put the turns of chats
+that share blocks (each child extends and replaces the entries of the one
+before), so kills land between a block's write and its count, a replaced
+entry's release and its new references. PROMPTSTORE_STRESS=1 multiplies the kills.
 """
 
 from __future__ import annotations
@@ -14,20 +17,24 @@ import sys
 from pathlib import Path
 
 
-from _workers import MODEL, make_entry, same_cache
+import pytest
+
+from _raw import audit_blocks, referrers, stored_bytes
+from _workers import MODEL, entry_of, same_cache
 from promptstore import PromptStore
-from promptstore.format import _entry
-from promptstore.store import _keys
 
 HERE = Path(__file__).resolve().parent
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
 
 
-def run_worker(*args, timeout=600, blob_min=None) -> dict:
-    """Run a _workers.py mode; ``blob_min``: payloads from this size on go to blob files."""
+def run_worker(*args, timeout=600, blob_min=None, shared_blocks=None) -> dict:
+    """Run a _workers.py mode; ``blob_min``: payloads from this size on go to
+    blob files; ``shared_blocks``: the layout its stores write (None: the default)."""
     env = dict(os.environ)
     if blob_min is not None:
         env["PROMPTSTORE_TEST_BLOB_MIN"] = str(blob_min)
+    if shared_blocks is not None:
+        env["PROMPTSTORE_SHARED_BLOCKS"] = "1" if shared_blocks else "0"
     out = subprocess.run(
         [sys.executable, str(HERE / "_workers.py"), *map(str, args)],
         capture_output=True, text=True, timeout=timeout, check=False, env=env,
@@ -36,15 +43,16 @@ def run_worker(*args, timeout=600, blob_min=None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def check_after_crashes(path: Path, done) -> PromptStore:
+def check_after_crashes(path: Path, done, content: str = "entries") -> PromptStore:
     store = PromptStore(path)
     rep = store.verify()
-    assert rep.ok, rep  # no damaged entry, no orphan chunk of a half-written entry
-    for seed, i in done:
-        tokens, cache = make_entry(seed, i)
+    assert rep.ok, rep  # no damaged entry, no orphan chunk, no wrong block count, no orphan block
+    audit_blocks(store)  # the same, counted here: every named block stored, every count exact
+    for a, b in done:
+        tokens, cache = entry_of(content, a, b)
         got = store.get(MODEL, tokens)
-        assert got is not None, f"put ({seed}, {i}) returned before the kill but is gone"
-        assert same_cache(got, cache), f"put ({seed}, {i}) is not bit-exact"
+        assert got is not None, f"put ({a}, {b}) returned before the kill but is gone"
+        assert same_cache(got, cache), f"put ({a}, {b}) is not bit-exact"
     # every listed entry is whole: it loads and covers its tokens
     for info in store.entries():
         cache, _, tokens = store.load(info.id)
@@ -52,38 +60,45 @@ def check_after_crashes(path: Path, done) -> PromptStore:
     return store
 
 
-def test_sigkill_during_puts(tmp_path):
-    kills = 300 if STRESS else 50
-    res = run_worker("crash", tmp_path / "store", kills, 1, "none")
+@pytest.mark.parametrize(
+    "content, shared_blocks, kills",
+    [("chats", True, 300 if STRESS else 50), ("entries", False, 300 if STRESS else 20)],
+    ids=["shared-blocks", "payload"],
+)
+def test_sigkill_during_puts(tmp_path, content, shared_blocks, kills):
+    res = run_worker("crash", tmp_path / "store", kills, 1, content, shared_blocks=shared_blocks)
     assert res["errors"] == []
     assert res["kills"] == kills
     assert res["inflight_at_kill"] >= kills // 5, res["inflight_at_kill"]  # most kills land inside a put
     assert len(res["done"]) > kills  # the children did commit work between kills
-    store = check_after_crashes(tmp_path / "store", res["done"])
+    store = check_after_crashes(tmp_path / "store", res["done"], content)
+    shared = sum(1 for who in referrers(store).values() if len(who) > 1)
+    if shared_blocks:
+        assert shared > 2, shared  # entries of a chat share blocks, every chat the system prompt's
+    else:
+        assert not referrers(store)  # format 1: no entry names a block
     print(f"\ncrash: {kills} SIGKILLs, {res['inflight_at_kill']} inside a put, {len(res['done'])} puts returned, "
-          f"{len(list(store.entries()))} entries after")
+          f"{len(list(store.entries()))} entries after, {shared} blocks shared")
     store.close()
 
 
 def test_sigkill_during_puts_with_eviction(tmp_path):
-    """Kills land inside puts that evict: the size accounting stays exact."""
+    """Kills land inside puts that evict entries whose blocks other entries
+    share: the size accounting stays exact, each block counted once."""
     kills = 60 if STRESS else 12
-    budget = 12_000_000
+    budget = 5_000_000  # above the largest entry (~4.3 MB), below two long chats
     path = tmp_path / "store"
     PromptStore(path, budget=budget).close()
-    res = run_worker("crash", path, kills, 2, budget)
+    res = run_worker("crash", path, kills, 2, "chats")
     assert res["errors"] == []
     with PromptStore(path) as store:
         assert store.verify().ok
+        audit_blocks(store)
         assert store.budget == budget
-        sizes, biggest = 0, 0
-        with store.env.read() as txn:
-            for k, raw in txn.cursor(db=store._db[b"entries"]):
-                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k)))
-                sizes += man.payload + len(raw)
-                biggest = max(biggest, man.payload + len(raw))
-        assert store.usage() == sizes  # the running total matches the entries
+        sizes = stored_bytes(store)
+        assert store.usage() == sizes  # the running total matches the entries and blocks
         assert sizes <= budget  # every put evicts down to the budget before it commits
+        assert len(list(store.entries())) < len({tuple(d) for d in res["done"]})  # entries were evicted
         # a put that returned is there unless a later put evicted it
-        for seed, i in res["done"][-1:]:
-            assert store.get(MODEL, make_entry(seed, i)[0]) is not None
+        for a, b in res["done"][-1:]:
+            assert store.get(MODEL, entry_of("chats", a, b)[0]) is not None

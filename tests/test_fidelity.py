@@ -14,7 +14,7 @@ from _bits import bits_equal
 PROMPT = "Summarise the design of a persistent prompt cache for hybrid attention models in three sentences."
 
 
-def _run(name, store_path, kv_bits=None):
+def _run(name, store_path, kv_bits=None, shared_blocks=None):
     model, tokenizer, fp, _ = load_fixture(name)
     tokens = encode_prompt(tokenizer, PROMPT)
     cache = make_cache(model)
@@ -23,7 +23,7 @@ def _run(name, store_path, kv_bits=None):
     if kv_bits is not None:
         maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=kv_bits)
         assert any(type(c).__name__ == "QuantizedKVCache" for c in cache)
-    with PromptStore(store_path) as s:
+    with PromptStore(store_path, shared_blocks=shared_blocks) as s:
         s.put(fp, tokens, cache)
     with PromptStore(store_path) as s:  # a NEW handle reads from LMDB
         restored = s.get(fp, tokens)
@@ -53,7 +53,7 @@ def test_restore_through_the_pread_path_continues_bit_identically(name, store_pa
     calls = []
     real = _payload.read_file
     monkeypatch.setattr(_payload, "read_file", lambda *a: calls.append(1) or real(*a))
-    _run(name, store_path)
+    _run(name, store_path, shared_blocks=False)  # the path reads payloads: the KV in one too (format 1)
     assert calls  # restored through read_file, not the mapped copy
 
 

@@ -45,10 +45,11 @@ def test_golden_decodes(path):
 
 
 def test_every_entry_format_has_a_golden_file():
-    assert (GOLDEN / "entry-format" / f"v{_entry.BLOB_FORMAT}.msgpack").exists(), "run fixtures/make_golden.py and commit"
+    for fmt in (_entry.BLOB_FORMAT, _entry.BLOCKS_FORMAT):
+        assert (GOLDEN / "entry-format" / f"v{fmt}.msgpack").exists(), "run fixtures/make_golden.py and commit"
 
 
-@pytest.mark.parametrize("path", sorted((GOLDEN / "entry-format").glob("*.msgpack")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [GOLDEN / "entry-format" / f"v{_entry.BLOB_FORMAT}.msgpack"], ids=lambda p: p.stem)
 def test_golden_blob_entries_read(path, tmp_path):
     """Entries whose payload is in a blob file, as written when the format
     was introduced: the manifest parses, the file reads and checks, the
@@ -69,3 +70,34 @@ def test_golden_blob_entries_read(path, tmp_path):
             enc = encode_layer(layer)
             assert enc.kind == rec.kind and enc.meta == rec.meta
             assert_same(dict(stored), dict(enc.arrays), where)
+
+
+def test_golden_shared_block_entries_read():
+    """Entries whose KV arrays are in shared blocks (format 3), as written when
+    the format was introduced: every block checks against its address, the
+    arrays assemble and decode, re-encoding gives the stored arrays, and the
+    shorter entry of each pair shares the longer one's full blocks."""
+    from promptstore.format import _payload
+    from promptstore.store._read import assemble
+
+    doc = msgpack.unpackb((GOLDEN / "entry-format" / f"v{_entry.BLOCKS_FORMAT}.msgpack").read_bytes(), raw=False)
+    assert doc["format"] == _entry.BLOCKS_FORMAT and len(doc["entries"]) >= 10
+    mans = []
+    for e, entry in enumerate(doc["entries"]):
+        where = f"golden format 3 entry {e}"
+        man = _entry.unpack_manifest(entry["manifest"], where)
+        assert man.intact and man.bounds and any(True for _ in man.parted())
+        blocks = {bytes(k): v for k, v in entry["blocks"]}
+        arrays = _payload.read_arrays(man.payload_only(), lambda i: entry["chunks"][i], where)
+        assemble(blocks.get, man, arrays, where)
+        for rec, stored, layer in zip(man.layers, arrays, _entry.decode_layers(man, arrays, where)):
+            enc = encode_layer(layer)
+            assert enc.kind == rec.kind and enc.meta == rec.meta
+            assert_same(dict(stored), dict(enc.arrays), where)
+        mans.append(man)
+    for long_, short in zip(mans[::2], mans[1::2]):
+        # Every block the shorter entry has whole is the longer one's; a block cut short is its own.
+        same = [i for i, end in enumerate(short.bounds) if long_.bounds[i] == end]
+        assert len(same) >= len(short.bounds) - 1
+        for (_, a), (_, b) in zip(long_.parted(), short.parted()):
+            assert [a.parts[i] == b.parts[i] for i in range(len(short.bounds))] == [i in same for i in range(len(short.bounds))]

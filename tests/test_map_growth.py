@@ -9,6 +9,7 @@ import textwrap
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from _bits import bits_equal
 from promptstore import PromptStore
 
 
@@ -26,16 +27,17 @@ def test_map_grows_and_other_process_adopts_it(tmp_path):
     with PromptStore(path, map_size=small) as store:
         store.put("m", [1, 2, 3], _cache(3, 1.0))
         # Another process writes 24 MiB into the 1 MiB map: it must grow the map.
+        # Random values: constant ones would make identical shared blocks, stored once.
         code = textwrap.dedent(
             f"""
             import mlx.core as mx
             from mlx_lm.models.cache import KVCache
             from promptstore import PromptStore
             from promptstore.format import _blobs
-            _blobs.MIN_PAYLOAD = 1 << 62  # keep the payload in LMDB: it must grow the map
+            _blobs.MIN_PAYLOAD = 1 << 62  # keep a payload in LMDB: it must grow the map
             c = KVCache()
-            c.keys = mx.full((1, 4, 3000, 256), 2.0, mx.float32)
-            c.values = mx.full((1, 4, 3000, 256), -2.0, mx.float32)
+            c.keys = mx.random.normal((1, 4, 3000, 256), key=mx.random.key(2))
+            c.values = -c.keys
             c.offset = 3000
             with PromptStore({str(path)!r}, map_size={small}) as s:
                 s.put("m", list(range(5, 3005)), [c])
@@ -47,6 +49,7 @@ def test_map_grows_and_other_process_adopts_it(tmp_path):
         assert int(out.stdout.strip()) >= 24 << 20
         # This process still has the 1 MiB map: its next transaction adopts the new size.
         (got,) = store.get("m", list(range(5, 3005)))
-        assert got.keys.shape == (1, 4, 3000, 256) and mx.all(got.keys == 2.0).item()
+        want = mx.random.normal((1, 4, 3000, 256), key=mx.random.key(2))
+        assert got.keys.shape == (1, 4, 3000, 256) and bits_equal(got.keys, want).item() and bits_equal(got.values, -want).item()
         store.put("m", [9, 9], _cache(2, 3.0))  # and it can write after the growth
         assert store.env.env.info()["map_size"] >= 24 << 20

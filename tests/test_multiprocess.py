@@ -1,29 +1,38 @@
-"""Two spawned processes write and read one store at the same time."""
+"""Two spawned processes write and read one store at the same time.
+
+Each process puts the turns of its own conversation (entries whose tokens
+and KV are prefixes of one another, so each shares the blocks of the ones
+before), both conversations opening with the same system prompt (blocks the
+two processes share)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 
+import pytest
+
+from _raw import audit_blocks, referrers
+from promptstore import PromptStore, StoreUnavailable
+
 
 
 def _worker(path: str, me: int, other: int, n: int, queue) -> None:
     import time
 
-    import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
+    from _bits import bits_equal
     from promptstore import PromptStore
 
     def cache(i, who):
         c = KVCache()
-        c.keys = mx.full((1, 2, 64 + i, 32), who * 1000 + i, mx.float16)
-        c.values = mx.full((1, 2, 64 + i, 32), -(who * 1000 + i), mx.float16)
-        c.offset = 64 + i
+        c.keys, c.values = _kv(64 + 8 * i, who)
+        c.offset = 64 + 8 * i
         return [c]
 
     def toks(i, who):
-        return [who + 3] * 10 + list(range(5, 5 + 54 + i))
+        return _tokens(64 + 8 * i, who)
 
     errors = []
     seen = set()
@@ -36,9 +45,10 @@ def _worker(path: str, me: int, other: int, n: int, queue) -> None:
                         continue
                     got = store.get("m", toks(j, other))
                     if got is not None:
-                        k = got[0].keys
-                        if k.shape[2] != 64 + j or not mx.all(k == other * 1000 + j).item():
-                            errors.append(f"entry {j} of {other} read back wrong")
+                        want = cache(j, other)[0]
+                        for a, b in ((got[0].keys, want.keys), (got[0].values, want.values)):
+                            if a.shape != b.shape or not bits_equal(a, b).item():
+                                errors.append(f"entry {j} of {other} read back wrong")
                         seen.add(j)
             deadline = time.time() + 60
             while len(seen) < n and time.time() < deadline:
@@ -51,11 +61,35 @@ def _worker(path: str, me: int, other: int, n: int, queue) -> None:
     queue.put((me, len(seen), errors))
 
 
+SYSTEM = 48  # tokens both conversations open with
+
+
+def _tokens(n: int, who: int) -> list:
+    return list(range(5, 5 + SYSTEM)) + [1000 * (who + 1) + t for t in range(n - SYSTEM)]
+
+
+def _kv(n: int, who: int):
+    """Keys and values of a conversation's first ``n`` tokens: the system
+    prompt's (the same bytes in both conversations), then its own."""
+    import mlx.core as mx
+
+    sys_k, own_k = mx.random.normal((1, 2, SYSTEM, 32), key=mx.random.key(0)), mx.random.normal((1, 2, 512, 32), key=mx.random.key(who + 1))
+    keys = mx.concatenate([sys_k, own_k], axis=2)[..., :n, :].astype(mx.float16)
+    return keys, -keys
+
+
 def test_two_processes_share_a_store(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     path = str(tmp_path / "store")
     n = 25
+    from mlx_lm.models.cache import KVCache
+
+    with PromptStore(path) as store:  # the system prompt's entry: both conversations' first block
+        c = KVCache()
+        c.keys, c.values = _kv(SYSTEM, 0)
+        c.offset = SYSTEM
+        store.put("m", _tokens(SYSTEM, 0), [c])
     procs = [ctx.Process(target=_worker, args=(path, me, 1 - me, n, queue)) for me in (0, 1)]
     for p in procs:
         p.start()
@@ -66,11 +100,47 @@ def test_two_processes_share_a_store(tmp_path):
     for me, seen, errors in results:
         assert errors == [], errors
         assert seen == n, f"process {me} saw {seen} of {n} entries of the other"
+    with PromptStore(path) as store:
+        assert store.verify().ok and audit_blocks(store)
+        # the system prompt's blocks: named by all 2n + 1 entries; a turn's, by the turns after it
+        assert max(len(who) for who in referrers(store).values()) == 2 * n + 1
+
+
+def test_opening_a_store_while_another_process_commits(tmp_path, monkeypatch):
+    """Another process commits (growing data.mdb) while this one opens the
+    store: the open succeeds. The commit is made to land inside the open's
+    size check, where a real one lands now and then under load."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from promptstore.store import _env
+
+    path = tmp_path / "s"
+    PromptStore(path).close()
+    grow = textwrap.dedent(
+        f"""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+        from promptstore import PromptStore
+        c = KVCache()
+        k = mx.random.normal((1, 8, 1024, 128), key=mx.random.key(1))
+        c.update_and_fetch(k, -k)
+        with PromptStore({str(path)!r}) as s:
+            s.put("m", list(range(1, 1025)), [c])  # 8 MiB more of data.mdb
+        """
+    )
+    real = _env.pages_needed
+
+    def committed_meanwhile(env):
+        subprocess.run([sys.executable, "-c", grow], check=True, timeout=120)
+        return real(env)
+
+    monkeypatch.setattr(_env, "pages_needed", committed_meanwhile)
+    PromptStore(path).close()
 
 
 def test_store_refuses_use_across_fork(tmp_path):
-    from promptstore import PromptStore, StoreUnavailable
-
     store = PromptStore(tmp_path / "s")
     pid = os.fork()
     if pid == 0:

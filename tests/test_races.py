@@ -8,6 +8,8 @@ import os
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from _raw import audit_blocks, referrers
+from _workers import same_cache
 from promptstore import PromptStore
 
 
@@ -16,6 +18,15 @@ def _kv(n: int, seed: int):
     k = mx.full((1, 2, n, 16), seed, mx.bfloat16)
     c.update_and_fetch(k, k + 1)
     return [c]
+
+
+def _turn(n: int):
+    """The first ``n`` tokens of one conversation and their KV: entries of
+    it share the blocks of the shorter ones stored before them."""
+    k = mx.random.normal((1, 2, 1024, 16), key=mx.random.key(3)).astype(mx.bfloat16)[..., :n, :]
+    c = KVCache()
+    c.update_and_fetch(k, -k)
+    return list(range(1, n + 1)), [c]
 
 
 def _compactor(path: str, rounds: int, queue) -> None:
@@ -31,8 +42,8 @@ def _compactor(path: str, rounds: int, queue) -> None:
 def test_two_concurrent_compactions_keep_the_live_generation(tmp_path):
     path = str(tmp_path / "s")
     with PromptStore(path) as s:
-        for i in range(5):
-            s.put("m", list(range(1, 50 + i)), _kv(49 + i, i))
+        for i in range(5):  # a conversation's turns: they share blocks
+            s.put("m", *_turn(49 + 10 * i))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_compactor, args=(path, 5, queue)) for _ in range(2)]
@@ -46,16 +57,25 @@ def test_two_concurrent_compactions_keep_the_live_generation(tmp_path):
     assert sorted(d for d in os.listdir(path) if d.startswith("gen-")) == [live]
     with PromptStore(path) as s:
         assert len(list(s.entries())) == 5
-        assert s.verify().ok
+        assert s.verify().ok and audit_blocks(s)
+        assert max(len(who) for who in referrers(s).values()) == 5  # the first turn's blocks
+        for i in range(5):
+            tokens, cache = _turn(49 + 10 * i)
+            assert same_cache(s.get("m", tokens), cache)
 
 
 def _writer(path: str, n: int, queue) -> None:
+    """Puts the turns of a conversation (each sharing the blocks of the ones
+    before) and, every third put, deletes an earlier turn: references to
+    shared blocks come and go while the other process verifies and fixes."""
     done = []
     with PromptStore(path) as s:
         for i in range(n):
-            toks = [1000 + i, 5, 6]
-            s.put("m", toks, _kv(3, i))
-            done.append(toks)
+            s.put("m", *_turn(3 + 5 * i))
+            done.append(i)
+            if i % 3 == 2:
+                s.delete("m", _turn(3 + 5 * (i - 1))[0])
+                done.remove(i - 1)
     queue.put(done)
 
 
@@ -66,18 +86,23 @@ def test_verify_fix_never_removes_entries_committed_meanwhile(tmp_path):
             s.put("m", [i + 1, 2, 3], _kv(3, i))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    p = ctx.Process(target=_writer, args=(path, 120, queue))
+    p = ctx.Process(target=_writer, args=(path, 90, queue))
     p.start()
     passes = 0
     with PromptStore(path) as s:
         while p.is_alive() or passes == 0:
             report = s.verify(fix=True)
             assert report.problems == () and report.orphan_chunks == 0
+            assert report.bad_counts == 0 and report.orphan_blocks == 0  # no count "fixed" under a writer
             passes += 1
         done = queue.get(timeout=120)
         p.join(timeout=60)
-        assert len(done) == 120 and passes > 1
-        for toks in done:
-            (layer,) = s.get("m", toks)
+        assert len(done) == 60 and passes > 1
+        for i in done:
+            tokens, cache = _turn(3 + 5 * i)
+            assert same_cache(s.get("m", tokens), cache)
+        for i in range(20):
+            (layer,) = s.get("m", [i + 1, 2, 3])
             assert layer.offset == 3
-        assert s.verify().ok
+        assert s.verify().ok and audit_blocks(s)
+        assert max(len(who) for who in referrers(s).values()) == 60  # the first turn's block: in every turn since

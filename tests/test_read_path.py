@@ -30,7 +30,7 @@ def payload_in_lmdb(monkeypatch):
 def entry(tmp_path):
     cache = data.hybrid_cache(data.QUICK, 1024, seed=11)
     tokens = list(range(1, 1025))
-    store = PromptStore(tmp_path / "s")
+    store = PromptStore(tmp_path / "s", shared_blocks=False)  # all of it in the payload, KV included (format 1)
     info = store.put(MODEL, tokens, cache)
     assert info.nbytes >= _pages.MIN_PAYLOAD
     ekey = _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens))

@@ -7,7 +7,8 @@ import re
 
 from click.testing import CliRunner
 
-from _workers import MODEL, make_entry, same_cache
+from _raw import audit_blocks, stored_bytes
+from _workers import MODEL, chat_entry, same_cache
 from conftest import ROOT
 from promptstore import PromptStore
 from promptstore.cli import main
@@ -19,9 +20,12 @@ def run(*args):
 
 
 def test_gc_compact_salvage(tmp_path):
+    """On the turns of three chats (entries sharing blocks): gc evicts some,
+    compact and salvage keep the rest, their shared blocks counted right."""
     path = tmp_path / "s"
+    items = [chat_entry(71 + i // 4, i % 4) for i in range(10)]
     with PromptStore(path) as store:
-        infos = [store.put(MODEL, *make_entry(71, i, big_every=0)) for i in range(10)]
+        infos = [store.put(MODEL, *item) for item in items]
         store.pin(infos[0].id)
         usage = store.usage()
     code, out = run("--store", path, "gc", "--budget", str(usage // 2), "--dry-run", "--json")
@@ -41,7 +45,10 @@ def test_gc_compact_salvage(tmp_path):
     assert code == 0 and len(doc["copied"]) == 10 - len(plan["evict"]) and doc["skipped"] == []
     with PromptStore(tmp_path / "copy") as copy:
         assert copy.verify().ok and copy.budget == usage // 2 and copy.pinned() == [infos[0].id]
-        assert same_cache(copy.get(MODEL, make_entry(71, 0, big_every=0)[0]), make_entry(71, 0, big_every=0)[1])
+        assert audit_blocks(copy) and copy.usage() == stored_bytes(copy) <= usage // 2
+        for info, (tokens, cache) in zip(infos, items):
+            if info.id not in plan["evict"]:
+                assert same_cache(copy.get(MODEL, tokens), cache)
     code, out = run("salvage", path, tmp_path / "copy", "--json")
     assert code == 1 and "not empty" in json.loads(out)["message"]
     code, out = run("--store", path, "gc", "--budget", "lots")

@@ -11,7 +11,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import load_fixture, sample_tokens
+from _raw import flip_block, get_chunk, set_chunk, shared_block
+from conftest import continued, load_fixture, sample_tokens
 from promptstore import PromptStore, fingerprint
 from promptstore.serving._memory import view
 from promptstore.codecs import encode_layer
@@ -201,26 +202,38 @@ def test_insert_never_waits_for_the_disk_and_close_flushes(store_path, llama):
         assert same(s.get(fp, toks), cache)
 
 
-def test_damaged_entries_are_logged_misses(store_path, llama, caplog):
+@pytest.mark.parametrize("shared_blocks", [True, False], ids=["shared-blocks", "payload"])
+def test_damaged_entries_are_logged_misses(store_path, llama, caplog, shared_blocks):
+    """A conversation's two turns: with shared blocks the second references
+    the first's block, which is damaged (a payload chunk of both, without).
+    Both are skipped, logged, and the fetch misses; another entry is served."""
     model, _, fp, path = llama
     toks = sample_tokens(40, seed=7)
+    more = toks + sample_tokens(16, seed=9)
+    other = sample_tokens(30, seed=10)
     cache, _ = prefill(model, toks)
-    with PromptStore(store_path) as s:
-        s.put(fp, toks, cache)
-
-        def flip(txn):
-            cur = txn.cursor(db=s._db[b"chunks"])
-            assert cur.first()
-            k, v = bytes(cur.key()), bytearray(cur.value())
-            v[len(v) // 2] ^= 0xFF
-            txn.put(k, bytes(v), db=s._db[b"chunks"])
-
-        s.env.write(flip)
+    longer = continued(cache)
+    mx.eval(model(mx.array(more[40:])[None], cache=longer), [c.state for c in longer])
+    other_cache, _ = prefill(model, other)
+    with PromptStore(store_path, shared_blocks=shared_blocks) as s:
+        ids = [s.put(fp, t, c).id for t, c in ((toks, cache), (more, longer))]
+        s.put(fp, other, other_cache)
+        if shared_blocks:
+            flip_block(s, shared_block(s, ids), bit=0xFF)
+        else:
+            for eid in ids:
+                chunk = bytearray(get_chunk(s, eid, 0))
+                chunk[len(chunk) // 2] ^= 0xFF
+                set_chunk(s, eid, 0, chunk)
     caplog.set_level(logging.WARNING, logger="promptstore")
     with PersistentPromptCache(store_path) as pc:
-        got, rest = pc.fetch_nearest_cache(key(path), toks + [5])
-        assert got is None and rest == toks + [5]
-    assert any("skipping entry" in r.getMessage() for r in caplog.records)
+        for query in (toks + [5], more + [5]):
+            got, rest = pc.fetch_nearest_cache(key(path), query)
+            assert got is None and rest == query
+        got, rest = pc.fetch_nearest_cache(key(path), other + [5])
+        assert rest == [5] and same(got, other_cache)
+    skipped = {r.getMessage().split(":")[1].split()[-1] for r in caplog.records if "skipping entry" in r.getMessage()}
+    assert skipped == set(ids)
 
 
 def test_a_closed_store_is_a_logged_miss_not_a_crash(store_path, llama, caplog):

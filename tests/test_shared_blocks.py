@@ -150,8 +150,12 @@ def test_the_budget_counts_shared_bytes_once(tmp_path, chat):
 
 
 def _flip_block(store, at: int = 0):
+    """Flip a byte of a block that more than one entry references."""
+    from promptstore.store import _budget
+
     def write(txn):
-        key, raw = next(iter(txn.cursor(db=store._db.blocks)))
+        key = next(bytes(k) for k, v in txn.cursor(db=store._db.refs) if _budget.ref_count(v) > 1)
+        raw = txn.get(key, db=store._db.blocks)
         raw = bytearray(raw)
         raw[at] ^= 0x40
         txn.put(bytes(key), bytes(raw), db=store._db.blocks)

@@ -14,20 +14,49 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from _raw import audit_blocks, referrers
 from _workers import MODEL, same_cache
 from promptstore import PromptStore
 from promptstore.format import _entry, _pages
 from promptstore.bench import _data as data
 
 
-def test_gets_from_several_threads_at_once_are_exact(tmp_path):
+def _sharing(caches):
+    """``caches`` with the KV of the first in every one (cut to its length):
+    their entries then reference the same shared blocks."""
+    from mlx_lm.models.cache import KVCache
+
+    out = [caches[0]]
+    for cache in caches[1:]:
+        layers = []
+        for mine, first in zip(cache, caches[0]):
+            if type(mine) is KVCache:
+                kv = KVCache()
+                kv.keys, kv.values = first.keys[..., : mine.offset, :], first.values[..., : mine.offset, :]
+                kv.offset = mine.offset
+                mine = kv
+            layers.append(mine)
+        out.append(layers)
+    return out
+
+
+@pytest.mark.parametrize("shared_blocks", [True, False], ids=["shared-blocks", "payload"])
+def test_gets_from_several_threads_at_once_are_exact(tmp_path, shared_blocks):
+    """With shared blocks every entry's KV is in the same blocks, which the
+    threads read at once; the recurrent state of each is its own payload."""
     lengths = (4096, 4096, 4096, 512)
     caches = [data.hybrid_cache(data.QUICK, n, seed=s) for s, n in enumerate(lengths)]
+    if shared_blocks:
+        caches = _sharing(caches)
     toks = [[s + 1] + list(range(2, n + 1)) for s, n in enumerate(lengths)]
-    with PromptStore(tmp_path / "s") as store:
+    with PromptStore(tmp_path / "s", shared_blocks=shared_blocks) as store:
         sizes = [store.put(MODEL, t, c).nbytes for t, c in zip(toks, caches)]
         assert min(sizes[:3]) >= _pages.MIN_PAYLOAD > sizes[3]  # three read with pread, one copied from the map
         assert min(sizes) > _entry.CHUNK  # arrays spanning chunks in both paths
+        if shared_blocks:  # the 512-token entry's blocks are the first two of the others'
+            assert audit_blocks(store) == 3 * 2 * 16 + 2 * 2 and len(referrers(store)) == 2 * 16
         errors = []
 
         def reader(k):

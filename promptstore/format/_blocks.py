@@ -15,10 +15,13 @@ whenever it is read.
 
 Bounds are chosen when an entry is written (see ``store._write``): the bounds
 of the stored entry that shares the longest prefix with it, up to that
-prefix, then multiples of :data:`BLOCK_TOKENS`, then the entry's length. So a
-conversation that grows turn by turn reuses every block of its previous turn,
-the partial last block included: the next turn's blocks start where it ended,
-and no token's bytes are stored twice along one chain.
+prefix, a cut at the end of that prefix, then every :data:`BLOCK_TOKENS`
+tokens, then the entry's length. So a conversation that grows turn by turn
+reuses every block of its previous turn, the partial last block included:
+the next turn's blocks start where it ended, and no token's bytes are stored
+twice along one chain. Conversations that branch off a stored one (after a
+shared system prompt, an edited turn) cut at the branch point, so from the
+second branch on, the shared prefix's last, partial block is shared too.
 """
 
 from __future__ import annotations
@@ -39,10 +42,19 @@ Bounds = Tuple[int, ...]
 def plan_bounds(base: Sequence[int], shared: int, n: int, step: int = BLOCK_TOKENS) -> Bounds:
     """Block ends for an entry of ``n`` tokens whose first ``shared`` tokens
     equal those of a stored entry with block ends ``base``: every base end
-    up to ``shared``, then the next multiples of ``step``, then ``n``."""
+    up to ``shared``, then ``shared`` itself, then every ``step`` tokens
+    from there, then ``n``.
+    (Counting from the last shared end, not from token 0, leaves no sliver
+    of a block between a turn's end and the next multiple of ``step``.)"""
     ends = [b for b in base if 0 < b <= min(shared, n)]
     start = ends[-1] if ends else 0
-    nxt = (start // step + 1) * step
+    if start < shared < n:
+        # The prefix ends inside a block of the base: cut there too, so the
+        # next entry that shares this prefix (another conversation after the
+        # same system prompt) shares the prefix's last, partial block as well.
+        ends.append(shared)
+        start = shared
+    nxt = start + step
     while nxt < n:
         ends.append(nxt)
         nxt += step

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from promptstore.format._blocks import ADDRESS
-from promptstore.codecs import decode_layer
+from promptstore.codecs import codec_for_kind, decode_layer
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
 
 FORMAT = 3  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file,
@@ -122,6 +122,34 @@ class Manifest:
         """Bytes of the arrays kept in shared blocks."""
         return sum(rec.nbytes for _, rec in self.parted())
 
+    def prefix(self, n: int) -> Optional["Manifest"]:
+        """This entry cut to the shortest run of its shared blocks that covers
+        ``n`` tokens: what a prefix hit of ``n`` tokens needs to read (then
+        trims to ``n``). None when there is nothing to cut, or a layer cannot
+        be cut (its kind has no ``prefix_meta``, or it keeps token-spanning
+        bytes outside the blocks): the entry is read whole."""
+        k = next((i for i, end in enumerate(self.bounds) if end >= n), None)
+        if k is None or k == len(self.bounds) - 1:
+            return None
+        end = self.bounds[k]
+        layers = []
+        for layer in self.layers:
+            if any(r.parts is None for r in layer.arrays):
+                return None
+            try:
+                meta = codec_for_kind(layer.kind).prefix_meta(layer.meta, end)
+            except PromptStoreError:
+                return None
+            if meta is None:
+                return None
+            arrays = tuple(
+                replace(r, shape=r.shape[:-2] + (end,) + r.shape[-1:], nbytes=r.nbytes // r.shape[-2] * end, parts=r.parts[: k + 1])
+                for r in layer.arrays
+                if r.parts is not None
+            )
+            layers.append(replace(layer, meta=meta, arrays=arrays))
+        return replace(self, tokens=self.tokens[:end], layers=tuple(layers), bounds=self.bounds[: k + 1])
+
     def payload_only(self) -> "Manifest":
         """This manifest without its shared-block arrays: what the payload readers read."""
         if not self.bounds:
@@ -186,6 +214,13 @@ def _intact(doc: dict, raw: bytes) -> bool:
         return False
     check = doc["check"]
     return isinstance(check, bytes) and raw[-8:] == check and xxhash.xxh3_64_digest(raw[:-8]) == check
+
+
+def checksum_holds(raw: bytes) -> bool:
+    """Whether a manifest's bytes are as written (its last 8 bytes are the
+    xxh3-64 of the rest), without parsing it: tells an entry written by a
+    newer promptstore (intact, but unreadable here) from a damaged one."""
+    return len(raw) > 8 and xxhash.xxh3_64_digest(raw[:-8]) == raw[-8:]
 
 
 def _field(doc: dict, key: str, types: Any, where: str) -> Any:

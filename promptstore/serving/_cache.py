@@ -22,6 +22,16 @@ put/get --model DIR`` use, so the server and the CLI share entries. A key
 that cannot be fingerprinted (an adapter, a hub id) is served from memory
 only, with a warning.
 
+Checkpoint history: recurrent state cannot be shared between coverages, so
+every stored checkpoint of a hybrid conversation carries all of it. After
+the writer thread commits an entry that cannot be trimmed, it prunes that
+entry's chain (the stored entries of the model that are prefixes of it):
+of the checkpoints this cache wrote, it keeps the ``checkpoints`` longest
+plus the system-prompt checkpoint, and deletes the superseded rest. Pinned
+entries, trimmable entries and entries written by anyone else are never
+touched (the policy in full: ``promptstore.serving._history``). The memory
+tier is left to its own LRU.
+
 Damaged or incompatible stored entries are logged and treated as misses;
 no error of the cache ever reaches the serving loop.
 """
@@ -39,11 +49,12 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
 import numpy as np
 
 from promptstore.store import _keys
+from promptstore.serving._history import DEFAULT_CHECKPOINTS, SOURCE, History, checkpoint_limit
 from promptstore.serving._memory import MemEntry, MemoryTier, checkout, view
 from promptstore.serving._writer import Job, Writer
 from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
 from promptstore.identity import fingerprint
-from promptstore.store import PromptStore
+from promptstore.store import EntryInfo, PromptStore
 
 __all__ = ["PersistentPromptCache", "model_identity"]
 
@@ -102,6 +113,21 @@ class PersistentPromptCache:
         persist: False keeps inserts in memory (lookups still read the store).
         max_pending_bytes: bytes that may wait for the disk; past it new
             writes are dropped rather than making the server wait.
+        checkpoints: the bounded checkpoint history of caches that cannot be
+            trimmed (hybrid models, sliding windows past their window). After
+            such an entry is committed, of the stored entries that are
+            prefixes of it (its conversation so far), those this cache wrote
+            are pruned to the ``checkpoints`` longest (the new one included),
+            plus every system-prompt checkpoint (``cache_type="system"``).
+            Pinned entries, trimmable entries and entries written by others
+            (``promptstore put``, warm-up) are never deleted. A turn usually
+            leaves two checkpoints (the prompt up to its last token, and the
+            prompt plus the answer). 0 or None keeps every checkpoint.
+            Pruning runs on the writer thread and its errors are logged.
+            The memory tier is not pruned: it has its own LRU and budgets.
+
+    Raises:
+        InvalidInput: ``checkpoints`` is not None or an integer >= 0.
 
     Call :meth:`close` (or use ``with``) to flush pending writes; an atexit
     hook does it too for an orderly interpreter exit.
@@ -116,7 +142,9 @@ class PersistentPromptCache:
         model_id: Optional[Callable[[Any], Optional[str]]] = None,
         persist: bool = True,
         max_pending_bytes: int = 4 << 30,
+        checkpoints: Optional[int] = DEFAULT_CHECKPOINTS,
     ):
+        keep = checkpoint_limit(checkpoints)  # before opening anything
         self._owns_store = not isinstance(store, PromptStore)
         self.store = store if isinstance(store, PromptStore) else PromptStore(store)
         self._memory = MemoryTier(max_size, max_bytes if max_bytes is not None else 1 << 63)
@@ -125,7 +153,8 @@ class PersistentPromptCache:
         self._known: "OrderedDict[bytes, None]" = OrderedDict()
         self._lock = threading.Lock()
         self.persist = persist
-        self._writer = Writer(self.store, max_pending_bytes, on_error=self._forget)
+        self._history = History(self.store, keep, on_removed=self._unremember)
+        self._writer = Writer(self.store, max_pending_bytes, on_error=self._forget, on_written=self._written)
         self._counts = {"memory_hits": 0, "store_hits": 0, "misses": 0, "errors": 0}
         self._closed = False
         atexit.register(self.close)
@@ -245,7 +274,7 @@ class PersistentPromptCache:
         self._memory.add(MemEntry(mkey, toks, layers, nbytes, cache_type, trimmable, viewable))
         if ident is None or not viewable or not self.persist or self._closed or not self._remember(ident, toks):
             return
-        meta = {"source": "promptstore.serving", "cache_type": cache_type}
+        meta = {"source": SOURCE, "cache_type": cache_type}
         self._writer.submit(Job(ident, toks, layers, nbytes, meta))
 
     # -- persistence -------------------------------------------------------------
@@ -253,6 +282,11 @@ class PersistentPromptCache:
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every pending write is committed; False on timeout."""
         return self._writer.flush(timeout)
+
+    @property
+    def checkpoints(self) -> int:
+        """The bound on each chain's checkpoint history; 0: unbounded."""
+        return self._history.keep
 
     @property
     def pending(self) -> int:
@@ -277,7 +311,8 @@ class PersistentPromptCache:
         self.close()
 
     def stats(self) -> Dict[str, Any]:
-        """Counters: memory and store hits, misses, writes (done, pending, failed, dropped)."""
+        """Counters: memory and store hits, misses, writes (done, pending, failed,
+        dropped), checkpoints pruned and prunes that failed."""
         with self._lock:
             counts = dict(self._counts)
         w = self._writer
@@ -291,6 +326,8 @@ class PersistentPromptCache:
             "write_dropped": w.dropped,
             "write_skipped": w.skipped,
             "write_seconds": round(w.write_seconds, 6),
+            "pruned": self._history.pruned,
+            "prune_failed": self._history.failed,
         }
 
     # -- helpers -------------------------------------------------------------------
@@ -332,6 +369,14 @@ class PersistentPromptCache:
                 self._known.popitem(last=False)
         return True
 
-    def _forget(self, job: Job) -> None:
+    def _unremember(self, ident: str, toks: np.ndarray) -> None:
+        """Unmark (ident, toks): the next insert of it is written again."""
         with self._lock:
-            self._known.pop(self._known_key(job.model, job.tokens), None)
+            self._known.pop(self._known_key(ident, toks), None)
+
+    def _forget(self, job: Job) -> None:
+        self._unremember(job.model, job.tokens)
+
+    def _written(self, job: Job, info: EntryInfo) -> None:
+        """On the writer thread, after a commit: bound the checkpoint history."""
+        self._history.prune(job.tokens, info)

@@ -21,6 +21,7 @@ import threading
 from typing import Any, Dict, Optional, Sequence
 
 from promptstore.serving._cache import PersistentPromptCache
+from promptstore.serving._history import DEFAULT_CHECKPOINTS, checkpoint_limit
 from promptstore.store import PromptStore
 
 __all__ = ["serve"]
@@ -29,7 +30,7 @@ log = logging.getLogger("promptstore")
 
 
 def serve(model_dir: str, server_args: Sequence[str] = (), store: Optional[PromptStore] = None,
-          stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+          stats: Optional[Dict[str, Any]] = None, checkpoints: Optional[int] = DEFAULT_CHECKPOINTS) -> Dict[str, Any]:
     """Run ``mlx_lm.server`` on ``model_dir`` with a persistent prompt cache until stopped.
 
     Args:
@@ -38,19 +39,27 @@ def serve(model_dir: str, server_args: Sequence[str] = (), store: Optional[Promp
             ``--prompt-cache-size``, ``--prompt-cache-bytes``, ...).
         store: the PromptStore (None: the default store).
         stats: a dict that receives the cache's counters on exit.
+        checkpoints: the checkpoint history kept per conversation of a model
+            whose cache cannot be trimmed (see :class:`PersistentPromptCache`);
+            0 or None keeps every checkpoint.
 
     Returns:
         The cache's counters (:meth:`PersistentPromptCache.stats`) at exit.
 
+    Raises:
+        InvalidInput: ``checkpoints`` is not None or an integer >= 0 (before
+            anything is loaded).
+
     Must run in the main thread (it installs a SIGTERM handler).
     """
+    keep = checkpoint_limit(checkpoints)
     from mlx_lm import server as mlx_server
 
     out: Dict[str, Any] = stats if stats is not None else {}
     argv = ["mlx_lm.server", "--model", str(model_dir), *server_args]
 
     def run(host: str, port: int, model_provider, *args, **kwargs) -> None:
-        _run(mlx_server, host, port, model_provider, store, out)
+        _run(mlx_server, host, port, model_provider, store, out, keep)
 
     saved_run, saved_argv = mlx_server.run, sys.argv
     stopping = threading.Event()
@@ -74,13 +83,16 @@ def serve(model_dir: str, server_args: Sequence[str] = (), store: Optional[Promp
     return out
 
 
-def _run(mlx_server, host: str, port: int, model_provider, store: Optional[PromptStore], out: Dict[str, Any]) -> None:
+def _run(mlx_server, host: str, port: int, model_provider, store: Optional[PromptStore], out: Dict[str, Any],
+         checkpoints: int = DEFAULT_CHECKPOINTS) -> None:
     """mlx-lm's ``run`` with a PersistentPromptCache in place of LRUPromptCache."""
     import mlx.core as mx
 
     cli = model_provider.cli_args
-    cache = PersistentPromptCache(store, max_size=cli.prompt_cache_size, max_bytes=cli.prompt_cache_bytes)
-    log.info("promptstore: persistent prompt cache in %s", cache.store.path)
+    cache = PersistentPromptCache(store, max_size=cli.prompt_cache_size, max_bytes=cli.prompt_cache_bytes,
+                                  checkpoints=checkpoints)
+    log.info("promptstore: persistent prompt cache in %s (checkpoint history: %s)", cache.store.path,
+             cache.checkpoints or "unbounded")
     try:
         group = mx.distributed.init()
         generator = _generator_class(mlx_server)(model_provider, cache)

@@ -4,7 +4,9 @@ The serving thread hands over a *view* (fresh layer objects over evaluated,
 immutable arrays) and returns at once; one writer thread encodes and commits
 it. Nothing is copied before the writer runs: the only copy is the one into
 LMDB. Pending bytes are bounded: past the bound a new write is dropped (and
-counted) rather than making the serving thread wait for the disk.
+counted) rather than making the serving thread wait for the disk. Whatever
+must follow a commit (pruning the checkpoint history, ``_history``) runs on
+this thread too, through ``on_written``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 import numpy as np
 
 from promptstore.errors import PromptStoreError
+from promptstore.store import EntryInfo
 
 __all__ = ["Writer", "Job"]
 
@@ -45,11 +48,21 @@ class Writer:
             a job that would exceed it is dropped (one job is always accepted
             when nothing is pending).
         on_error: called with a job that was dropped or failed to write.
+        on_written: called on the writer thread with a job and the EntryInfo
+            of its committed put, before the job counts as done (``flush``
+            waits for it); what it raises is logged.
     """
 
-    def __init__(self, store, max_pending_bytes: int = 4 << 30, on_error: Optional[Callable[[Job], None]] = None):
+    def __init__(
+        self,
+        store,
+        max_pending_bytes: int = 4 << 30,
+        on_error: Optional[Callable[[Job], None]] = None,
+        on_written: Optional[Callable[[Job, EntryInfo], None]] = None,
+    ):
         self.store = store
         self._on_error = on_error
+        self._on_written = on_written
         self.max_pending_bytes = max_pending_bytes
         self._jobs: Deque[Job] = deque()
         self._cv = threading.Condition()
@@ -128,18 +141,25 @@ class Writer:
             if self.store.exists(job.model, job.tokens):  # e.g. re-inserted after a restart
                 self.skipped += 1
                 return
-            self.store.put(job.model, job.tokens, job.cache, meta=job.meta)
+            info = self.store.put(job.model, job.tokens, job.cache, meta=job.meta)
             self.written += 1
         except PromptStoreError as err:
             self.failed += 1
             log.warning("promptstore: could not persist a %d-token prompt cache: %s", len(job.tokens), err)
             self._failed(job)
+            return
         except Exception:  # a cache must never take the server down
             self.failed += 1
             log.exception("promptstore: unexpected error persisting a %d-token prompt cache", len(job.tokens))
             self._failed(job)
+            return
         finally:
             self.write_seconds += time.perf_counter() - start
+        if self._on_written is not None:
+            try:
+                self._on_written(job, info)
+            except Exception:  # never into the server
+                log.exception("promptstore: writer after-commit callback failed")
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every submitted job is written; False on timeout."""

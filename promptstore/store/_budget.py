@@ -60,13 +60,24 @@ def is_pinned(txn, db: Tables, ekey: bytes) -> bool:
     return txn.get(ekey, db=db.pins) is not None
 
 
-def pinned_bytes(txn, db: Tables, but: bytes = b"") -> int:
+def pinned_bytes(txn, db: Tables, also: bytes = b"") -> int:
+    """Bytes the pinned entries (and ``also``, an entry about to be pinned)
+    hold: their own sizes plus every shared block they reference, once."""
+    keys = {bytes(k) for k in txn.cursor(db=db.pins).iternext(keys=True, values=False)}
+    if also:
+        keys.add(also)
     total = 0
-    for k in txn.cursor(db=db.pins).iternext(keys=True, values=False):
-        k = bytes(k)
-        if k != but:
-            total += size_of(txn, db, k)
-    return total
+    blocks: Dict[bytes, int] = {}
+    for k in keys:
+        total += size_of(txn, db, k)
+        raw = txn.get(k, db=db.entries)
+        try:
+            man = unpack_manifest(bytes(raw), entry_id(k)) if raw is not None else None
+        except PromptStoreError:
+            continue  # unreadable: its blocks are not known (verify reports it)
+        for key, size in man.blocks() if man is not None else ():
+            blocks[key] = size
+    return total + sum(blocks.values())
 
 
 def forget(txn, db: Tables, ekey: bytes) -> None:

@@ -133,7 +133,7 @@ class Capacity:
                 raise self._catalog.vanished(key)
             budget = _budget.get_budget(txn, self._db)
             if budget is not None:
-                total = _budget.pinned_bytes(txn, self._db, but=ekey) + _budget.size_of(txn, self._db, ekey)
+                total = _budget.pinned_bytes(txn, self._db, also=ekey)
                 if total > budget:
                     raise StoreFull(
                         f"{self.path}: pinning {key} would make pinned entries take {total} bytes, more than "

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 from promptstore.errors import EntryNotFound, PromptStoreError
 from promptstore.format import _entry
-from promptstore.store import _keys
+from promptstore.store import _budget, _keys
 from promptstore.store._results import EntryInfo, utc
 from promptstore.store._schema import ENTRY_ID, Tables, f64_or, model_of
 from promptstore.store._usage import Usage
@@ -66,6 +66,33 @@ class Catalog:
             meta=man.meta,
             shared=man.shared_bytes,
         )
+
+    def alone(self, txn, man: _entry.Manifest) -> int:
+        """Array bytes of ``man`` no other entry holds: its own payload plus
+        the blocks only it references (what deleting it alone frees)."""
+        total = man.payload
+        mine: Dict[bytes, int] = {}
+        sizes: Dict[bytes, int] = {}
+        for key, size in man.blocks():
+            mine[key] = mine.get(key, 0) + 1
+            sizes[key] = size
+        for key, n in mine.items():
+            if _budget.ref_count(txn.get(key, db=self._db.refs)) <= n:
+                total += sizes[key]
+        return total
+
+    def own_bytes(self, txn, keys: Iterable[str], manifest: Callable[[bytes], Optional[_entry.Manifest]]) -> Dict[str, int]:
+        """:meth:`alone` of each entry id in ``keys`` (ids not stored, or
+        unreadable, left out); ``manifest(entry key)`` reads a manifest."""
+        out: Dict[str, int] = {}
+        for key in keys:
+            try:
+                man = manifest(self.resolve(txn, key))
+            except PromptStoreError:
+                continue
+            if man is not None:
+                out[key] = self.alone(txn, man)
+        return out
 
     def listing(self, txn, model: Optional[str]) -> List[EntryInfo]:
         """EntryInfo of every readable entry (of ``model`` when given);

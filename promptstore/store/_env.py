@@ -168,18 +168,35 @@ class Env:
             gen.env.close()
         raise StoreUnavailable(f"{self.path}: the store kept switching generations while opening; retry")
 
+    def _lmdb_open(self, where: Path, name: str, lock: bool = True) -> lmdb.Environment:
+        return lmdb.open(
+            str(where),
+            map_size=self.map_size,
+            max_dbs=len(TABLES) + 1,
+            max_readers=1024,
+            readonly=self.readonly,
+            create=not self.readonly and name == ".",
+            subdir=True,
+            max_spare_txns=4,
+            lock=lock,
+        )
+
     def _open_gen(self, where: Path, name: str) -> _Gen:
+        if self.readonly and not (where / "data.mdb").is_file():
+            # lmdb would report "No such file"; say what the folder is not.
+            raise StoreUnavailable(f"{where}: not a promptstore store (no data.mdb); check the --store path")
         try:
-            env = lmdb.open(
-                str(where),
-                map_size=self.map_size,
-                max_dbs=len(TABLES) + 1,
-                max_readers=1024,
-                readonly=self.readonly,
-                create=not self.readonly and name == ".",
-                subdir=True,
-                max_spare_txns=4,
-            )
+            try:
+                env = self._lmdb_open(where, name)
+            except lmdb.Error as err:
+                denied = getattr(err, "errno", None) in (errno.EACCES, errno.EPERM) or os.strerror(errno.EACCES) in str(err)
+                if not (self.readonly and denied):  # py-lmdb reports errno only in the message
+                    raise
+                # A store this user may only read: its lock file cannot be opened for
+                # writing. Read without LMDB's reader table; a concurrent writer may then
+                # reuse pages under a read, which the checksums of every array detect.
+                log.info("promptstore: %s: lock file not writable; reading without LMDB's reader lock", where)
+                env = self._lmdb_open(where, name, lock=False)
         except lmdb.Error as err:
             raise translate(err, where, "open") from err
         except OSError as err:
@@ -483,11 +500,11 @@ def pages_needed(env: lmdb.Environment) -> int:
 def check_size(env: lmdb.Environment, where: Path) -> None:
     """Refuse a truncated data.mdb: LMDB would touch pages past its end and
     the process would die of SIGBUS (reproduced on LMDB 0.9.x)."""
+    need = pages_needed(env)  # first: a commit since only grows the file, never shrinks it
     try:
         have = (where / "data.mdb").stat().st_size
     except OSError:
         return
-    need = pages_needed(env)
     if have < need:
         raise StoreUnavailable(
             f"{where / 'data.mdb'} is truncated: {have} bytes, but its pages reach {need}; copy the intact "

@@ -185,6 +185,14 @@ def _neighbours(cur, nk: bytes, query: bytes) -> Iterator[bytes]:
         yield bytes(cur.value())
 
 
+def exact(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[int, bytes, Manifest]]:
+    """Stored entries that are exact prefixes of ``toks`` (``toks`` included), longest first."""
+    hashes = _keys.prefix_hashes(toks)
+    deepest = _deepest(txn, dbs, mid, hashes, len(toks))
+    if deepest >= 0:
+        yield from exact_prefixes(txn, dbs, mid, toks, hashes, deepest, manifest)
+
+
 def candidates(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[bytes, int, Manifest]]:
     """Usable entries best first: ``(entry key, tokens usable, manifest)``.
 

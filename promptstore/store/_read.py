@@ -24,12 +24,17 @@ snapshot, and tells a deleted entry from a lost file.
 from __future__ import annotations
 
 import logging
+import math
+import os
+from concurrent.futures import wait
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import numpy as np
 
-from promptstore.errors import CorruptEntry, PromptStoreError
+from promptstore.codecs import readable_codec
+from promptstore.errors import CorruptEntry, PromptStoreError, StoreError
 from promptstore.format import _blank, _blobs, _blocks, _entry, _fill, _pages, _payload
 from promptstore.store import _keys
 from promptstore.store._env import Env
@@ -98,6 +103,11 @@ class Reader:
         chunk's presence and length.
         """
         where = f"{self.path} entry {man.entry_id}"
+        for li, layer in enumerate(man.layers):  # an entry of a newer promptstore: refused before any byte is read
+            try:
+                readable_codec(layer.kind, layer.version)
+            except PromptStoreError as err:
+                raise type(err)(f"{where} layer {li}: {err}") from err
         large = man.payload + man.shared_bytes >= _pages.MIN_PAYLOAD
         arrays = self._payload(txn, ekey, man.payload_only(), where, remembered, large)
         if man.bounds:
@@ -106,7 +116,9 @@ class Reader:
 
     def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str) -> None:
         blocks = self._db.blocks
-        assemble(lambda key: txn.get(key, db=blocks), man, arrays, where, self._env.data_file().release)
+        data = self._env.data_file()
+        fd = data.fd if _fill.available() else None
+        assemble(lambda key: txn.get(key, db=blocks), man, arrays, where, data.release, data.offset if fd is not None else None, fd)
 
     def _payload(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool, large: bool) -> List[Dict[str, Any]]:
         if man.blob is not None:
@@ -165,31 +177,120 @@ def assemble(
     arrays: List[Dict[str, Any]],
     where: str,
     release: Optional[Callable[[Any], None]] = None,
+    offset: Optional[Callable[[Any], Optional[int]]] = None,
+    fd: Optional[int] = None,
 ) -> None:
     """Fill in ``arrays`` (per layer, as the payload readers return them) the
     arrays ``man`` keeps in shared blocks: each block, from ``get_block(address)``
     (None: missing), is checked against its address and copied once, into a
-    fresh mlx buffer. ``release(buf)`` drops a block's pages from the process's
-    mapping once it is copied (fetching a value maps all of its pages).
+    fresh mlx buffer.
+
+    With ``fd`` and ``offset`` (a block buffer's offset in that file, None
+    when unknown), blocks are read with ``preadv`` straight into their rows of
+    the destination on the fill threads, and checked there, without touching
+    the mapping (as ``_Reader._read_large`` reads large payloads); otherwise
+    each is copied out of the map and ``release(buf)`` drops its pages from
+    the process's mapping (fetching a value maps all of its pages).
 
     Raises:
         CorruptEntry: a block is missing or damaged.
     """
     parted = list(man.parted())
-    dests = _blank.blank([rec.nbytes for _, rec in parted])
-    for (li, rec), dest in zip(parted, dests):
-        layer = man.layers[li]
+    # Every block is found and its size checked before anything is allocated:
+    # a manifest (damaged, or crafted) may claim arrays of any size.
+    found: List[List[Any]] = []
+    for li, rec in parted:
         size = _entry.DTYPES[rec.dtype].size
-        rows = np.asarray(dest).reshape(-1, rec.shape[-2], rec.shape[-1] * size)
-        start = 0
+        raws, start = [], 0
         for key, end in zip(rec.parts or (), man.bounds):
             raw = get_block(key)
             if raw is None:
                 raise CorruptEntry(f"{where}: layer {li} array {rec.name!r}: block {key.hex()} is missing")
             shape = _blocks.block_shape(rec.shape, start, end)
-            _blocks.check(key, layer.kind, layer.version, rec.dtype, shape, size, raw, where)
-            rows[:, start:end, :] = np.frombuffer(raw, dtype=np.uint8).reshape(rows.shape[0], end - start, rows.shape[2])
-            if release is not None:
+            if len(raw) != math.prod(shape) * size:
+                raise CorruptEntry(f"{where}: block {key.hex()} has {len(raw)} bytes, expected shape {shape} {rec.dtype}")
+            if release is not None:  # finding a value maps the pages around its first one: drop them at once
                 release(raw)
+            raws.append(raw)
+            start = end
+        found.append(raws)
+    dests = _blank.blank([rec.nbytes for _, rec in parted])
+    tasks: List[_Block] = []
+    for (li, rec), dest, raws in zip(parted, dests, found):
+        layer = man.layers[li]
+        size = _entry.DTYPES[rec.dtype].size
+        rows = np.asarray(dest).reshape(-1, rec.shape[-2], rec.shape[-1] * size)
+        start = 0
+        for key, end, raw in zip(rec.parts or (), man.bounds, raws):
+            shape = _blocks.block_shape(rec.shape, start, end)
+            tasks.append(_Block(key, layer.kind, layer.version, rec.dtype, shape, size, raw, rows[:, start:end, :]))
             start = end
         arrays[li][rec.name] = dest.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
+    located = [offset(t.raw) for t in tasks] if offset is not None and fd is not None else None
+    if fd is not None and located is not None and all(o is not None for o in located):
+        _read_blocks(fd, tasks, [o for o in located if o is not None], where)
+        return
+    for t in tasks:
+        _blocks.check(t.key, t.kind, t.version, t.dtype, t.shape, t.itemsize, t.raw, where)
+        t.rows[...] = np.frombuffer(t.raw, dtype=np.uint8).reshape(t.rows.shape)
+        if release is not None:
+            release(t.raw)
+
+
+@dataclass
+class _Block:
+    """One block to read: its address, what it holds, its buffer in the map
+    (not touched on the file path) and its rows of the destination."""
+
+    key: bytes
+    kind: str
+    version: int
+    dtype: str
+    shape: Tuple[int, ...]
+    itemsize: int
+    raw: Any
+    rows: np.ndarray  # [rows, tokens, width] bytes, each row contiguous
+
+
+def _read_blocks(fd: int, tasks: Sequence[_Block], offsets: Sequence[int], where: str) -> None:
+    """Read each block with one ``preadv`` into its destination rows (an
+    iovec per row) and check it against its address, on the fill threads
+    (two lanes balanced by bytes)."""
+    for t in tasks:
+        if len(t.raw) != t.rows.nbytes:
+            raise CorruptEntry(f"{where}: block {t.key.hex()} has {len(t.raw)} bytes, expected shape {t.shape} {t.dtype}")
+    lanes: List[List[int]] = [[], []]
+    loads = [0, 0]
+    for k in sorted(range(len(tasks)), key=lambda k: -tasks[k].rows.nbytes):
+        light = loads.index(min(loads))
+        lanes[light].append(k)
+        loads[light] += tasks[k].rows.nbytes
+
+    def run(lane: List[int]) -> Optional[str]:
+        for k in lane:
+            t, off = tasks[k], offsets[k]
+            views = [row.reshape(-1).data for row in t.rows]
+            if os.preadv(fd, views, off) != t.rows.nbytes:  # a short read: again, a row at a time
+                for i, v in enumerate(views):
+                    pos = 0
+                    while pos < len(v):
+                        r = os.preadv(fd, [v[pos:]], off + i * len(v) + pos)
+                        if r <= 0:
+                            return f"the data file ends inside block {t.key.hex()}"
+                        pos += r
+            if _blocks.address(t.kind, t.version, t.dtype, t.shape, t.rows) != t.key:
+                return f"block {t.key.hex()} does not match its address (its bytes are damaged)"
+        return None
+
+    futures = [_fill.submit(run, lane) for lane in lanes if lane]
+    wait(futures)  # no thread may still write into the destination when this returns or raises
+    errors = []
+    for f in futures:
+        try:
+            err = f.result()
+        except OSError as exc:
+            raise StoreError(f"{where}: reading the data file failed: {exc}") from exc
+        if err is not None:
+            errors.append(err)
+    if errors:
+        raise CorruptEntry(f"{where}: {errors[0]}")

@@ -37,13 +37,16 @@ class EntryInfo:
 class Hit:
     """A lookup result: a ready cache covering ``matched`` tokens of the query.
 
-    ``trimmed`` is how many tokens were cut from a longer stored entry.
+    ``trimmed`` is how many tokens were cut from a longer stored entry;
+    ``bytes_read`` how many array bytes the restore read (a prefix of a
+    longer entry reads only the shared blocks it needs).
     """
 
     cache: List[Any]
     matched: int
     info: EntryInfo
     trimmed: int = 0
+    bytes_read: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class VerifyReport:
     orphan_blobs: int = 0  # blob files no entry names: leftovers of killed puts, not damage
     bad_counts: int = 0  # shared blocks whose reference count is not the number of references
     orphan_blocks: int = 0  # shared blocks no entry references
+    newer: Tuple[Tuple[str, str], ...] = ()  # (entry id, why): intact, written by a newer promptstore; kept
 
     @property
     def ok(self) -> bool:

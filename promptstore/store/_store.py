@@ -14,14 +14,23 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
 from promptstore import rows
+from promptstore._paths import default_path
 from promptstore.codecs import codec_for_layer, encode_layer, is_trimmable, storage_kind, trim_cache
-from promptstore.errors import CorruptEntry, CoverageMismatch, InvalidInput, ModelMismatch, PromptStoreError
-from promptstore.format import _blobs, _entry
+from promptstore.errors import (
+    CorruptEntry,
+    CoverageMismatch,
+    InvalidInput,
+    ModelMismatch,
+    PromptStoreError,
+    UnknownStorageKind,
+    UnsupportedVersion,
+)
+from promptstore.format import _blobs, _blocks, _entry
 from promptstore.identity import model_name_of
 from promptstore.store import _index, _keys
 from promptstore.store._capacity import Capacity
@@ -31,6 +40,7 @@ from promptstore.store._gate import CLOSE_TIMEOUT, closed_error
 from promptstore.store._read import Reader
 from promptstore.store._results import EntryInfo, GcReport, Hit, SalvageReport, VerifyReport, utc
 from promptstore.store._salvage import salvage as _salvage
+from promptstore.store._upgrade import upgrade as _upgrade
 from promptstore.store._schema import Tables
 from promptstore.store._usage import Usage
 from promptstore.store._verify import Maintenance
@@ -41,18 +51,13 @@ __all__ = ["PromptStore", "EntryInfo", "Hit", "VerifyReport", "default_path"]
 log = logging.getLogger("promptstore")
 
 
-def default_path() -> Path:
-    """``$PROMPTSTORE_DIR``, else ``~/.cache/promptstore``."""
-    env = os.environ.get("PROMPTSTORE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "promptstore"
-
-
 class PromptStore:
     """Prompt caches in an LMDB environment.
 
     Args:
-        path: the store directory; None means ``$PROMPTSTORE_DIR``, else
-            ``~/.cache/promptstore``. Created when missing.
+        path: the store directory; None means :func:`default_path`
+            (``$PROMPTSTORE_DIR``, else ``promptstore`` in the user's cache
+            folder). Created when missing (unless ``readonly``).
         map_size: initial LMDB map (address space only; it grows on demand).
         readonly: open without write access.
         budget: a byte budget to set and remember in the store (see
@@ -60,8 +65,10 @@ class PromptStore:
         shared_blocks: keep the KV arrays of what this instance puts in
             content-addressed blocks that entries sharing a prefix share
             (entry format 3, see ``promptstore.format._blocks``); None reads
-            ``$PROMPTSTORE_SHARED_BLOCKS`` (``1``: on). Off by default for
-            now. Entries of either layout are read either way.
+            ``$PROMPTSTORE_SHARED_BLOCKS`` (``0``: off), on by default.
+            Entries of either layout are read either way.
+        block_tokens: the most tokens one new shared block spans
+            (default :data:`~promptstore.format._blocks.BLOCK_TOKENS`).
 
     One instance serves any number of threads; other processes may open the
     same path at the same time. Never use an instance across ``fork()``.
@@ -75,7 +82,10 @@ class PromptStore:
         readonly: bool = False,
         budget: Optional[int] = None,
         shared_blocks: Optional[bool] = None,
+        block_tokens: int = _blocks.BLOCK_TOKENS,
     ):
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+            raise InvalidInput(f"block_tokens must be a positive token count, not {block_tokens!r}")
         self.path = Path(path).expanduser() if path is not None else default_path()
         env = Env(self.path, map_size=map_size, readonly=readonly)
         self._env: Optional[Env] = env
@@ -85,8 +95,8 @@ class PromptStore:
         self._usage = Usage(tables)
         self._reader = Reader(self.path, env, tables, self._blobs)
         if shared_blocks is None:
-            shared_blocks = os.environ.get("PROMPTSTORE_SHARED_BLOCKS") == "1"
-        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._usage, shared_blocks)
+            shared_blocks = os.environ.get("PROMPTSTORE_SHARED_BLOCKS", "1") != "0"
+        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._usage, shared_blocks, block_tokens)
         self._catalog = Catalog(self.path, tables, self._usage)
         self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._reader, self._writer)
         self._capacity = Capacity(self.path, env, tables, self._usage, self._catalog, self._writer, self._maintenance)
@@ -319,7 +329,7 @@ class PromptStore:
             info = self._catalog.info(txn, ekey, man)
         self._usage.touch(ekey)
         self._usage.count("hits")
-        return Hit(cache, len(toks), info)
+        return Hit(cache, len(toks), info, 0, man.payload + man.shared_bytes)
 
     def peek(self, model: str, tokens: _keys.Tokens) -> int:
         """How many tokens of ``tokens`` :meth:`lookup` would cover, reading
@@ -334,6 +344,20 @@ class PromptStore:
                 if man.model == model:
                     return matched
         return 0
+
+    def prefixes(self, model: str, tokens: _keys.Tokens) -> List[EntryInfo]:
+        """The stored entries of ``model`` whose tokens are a prefix of
+        ``tokens`` (``tokens`` itself included), longest first; manifests only.
+        Its cost is bounded by the query, not by the number of entries."""
+        mid = _keys.model_id(model)
+        toks = _keys.as_tokens(tokens)
+        found: List[EntryInfo] = []
+        with self.env.read() as txn:
+            manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
+            for _n, ekey, man in _index.exact(txn, self.env.db, mid, toks, manifest):
+                if man.model == model:
+                    found.append(self._catalog.info(txn, ekey, man))
+        return found
 
     def lookup(self, model: str, tokens: _keys.Tokens) -> Optional[Hit]:
         """The longest usable stored prefix of ``tokens``, restored.
@@ -355,25 +379,33 @@ class PromptStore:
         with self.env.read(buffers=True) as txn:
             manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
             for ekey, matched, man in _index.candidates(txn, self.env.db, mid, toks, manifest):
+                # A prefix of a longer entry reads only the blocks it needs.
+                read = man.prefix(matched) if matched < len(man.tokens) else None
+                read = read if read is not None else man
                 try:
                     if man.model != model:
                         raise ModelMismatch(f"entry {man.entry_id} belongs to {man.model!r}, not {model!r}")
-                    cache = self._reader.restore(txn, ekey, man)
+                    cache = self._reader.restore(txn, ekey, read)
                 except _blobs.Vanished as err:
                     if err.blob not in lost:
                         raise  # deleted since this snapshot, or lost: look again
                     log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
                     continue
+                except (UnsupportedVersion, UnknownStorageKind) as err:
+                    if not man.intact:
+                        log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
+                    else:  # not damage: never suggest deleting it
+                        log.warning("promptstore: skipping entry %s, written by a newer promptstore: %s", man.entry_id, err)
+                    continue
                 except PromptStoreError as err:
                     log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
                     continue
-                trimmed = len(man.tokens) - matched
-                if trimmed:
-                    trim_cache(cache, trimmed)
+                if len(read.tokens) > matched:
+                    trim_cache(cache, len(read.tokens) - matched)
                 info = self._catalog.info(txn, ekey, man)
                 self._usage.touch(ekey)
                 self._usage.count("hits")
-                return Hit(cache, matched, info, trimmed)
+                return Hit(cache, matched, info, len(man.tokens) - matched, read.payload + read.shared_bytes)
         self._usage.count("misses")
         return None
 
@@ -432,6 +464,14 @@ class PromptStore:
         with self.env.read() as txn:
             return iter(self._catalog.listing(txn, model))
 
+    def own_bytes(self, keys: Iterable[str]) -> Dict[str, int]:
+        """For each entry id: its array bytes that no other entry shares
+        (deleting it alone frees them, plus its manifest). The rest of its
+        ``nbytes`` is in shared blocks other entries also reference. Ids no
+        longer stored (or unreadable) are left out."""
+        with self.env.read() as txn:
+            return self._catalog.own_bytes(txn, keys, lambda ekey: self._reader.manifest(txn, ekey))
+
     def counters(self) -> Dict[str, int]:
         """Hits and misses recorded by every process (after their flush)."""
         self.flush()
@@ -452,7 +492,13 @@ class PromptStore:
             of puts killed before their commit, not damage: they do not make
             the report fail, and a put in flight may show as one; ``fix``
             (and :meth:`gc`) decide again under the writer lock and remove
-            them.
+            them. Entries written by a newer promptstore (an entry format,
+            storage kind or codec version this one does not know, their
+            manifest intact) are listed in ``newer``: they are not damage,
+            do not fail the report, and ``fix`` keeps them. It also repairs
+            shared-block reference counts (``bad_counts``) and removes blocks
+            nothing references (``orphan_blocks``); it never deletes an
+            intact entry.
         """
         return self._maintenance.verify(fix)
 
@@ -518,8 +564,11 @@ class PromptStore:
         """Ids of the pinned entries."""
         return self._capacity.pinned()
 
-    def compact(self) -> Tuple[int, int]:
+    def compact(self, upgrade: bool = True) -> Tuple[int, int]:
         """Rewrite the data file without its free pages: ``(bytes before, after)``.
+
+        With ``upgrade`` (and shared blocks on), entries of the older layouts
+        are first rewritten into shared blocks (:meth:`upgrade`).
 
         Safe while other processes use the store: they move to the compacted
         file at their next transaction (see ``promptstore.store._env``). Needs
@@ -528,8 +577,18 @@ class PromptStore:
         Raises:
             StoreFull: no room for the copy (the store is unchanged).
         """
+        if upgrade:
+            self.upgrade()
         self.flush()
         return self.env.compact()
+
+    def upgrade(self) -> int:
+        """Rewrite entries of the older layouts (entry formats 1 and 2) whose
+        KV arrays can be shared into shared blocks, keeping their dates and
+        pins; returns how many were rewritten. Entries changed meanwhile,
+        damaged or written by a newer promptstore are left as they are.
+        A no-op when this instance does not write shared blocks."""
+        return _upgrade(self.env, self.env.db, self._reader, self._writer)
 
     def salvage(self, dst: Union[str, os.PathLike]) -> SalvageReport:
         """Copy every intact entry of this store into a fresh store at ``dst``.

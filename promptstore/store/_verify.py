@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError
+from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs, _entry
 from promptstore.store import _budget, _index, _keys
 from promptstore.store._env import Env
@@ -30,6 +30,7 @@ class Maintenance:
     def verify(self, fix: bool = False) -> VerifyReport:
         """See :meth:`PromptStore.verify`."""
         problems: List[Tuple[str, str]] = []
+        newer: List[Tuple[str, str]] = []  # intact entries written by a newer promptstore: kept
         bad: Dict[bytes, Optional[bytes]] = {}  # entry key -> the manifest bytes found damaged
         db = self._db
         # One snapshot for the entry list and the chunk list: a put commits its
@@ -63,6 +64,9 @@ class Maintenance:
             except PromptStoreError as err:
                 if isinstance(err, _blobs.Vanished) and not self._still(ekey, raw):
                     continue  # deleted or replaced since: its blob went with it
+                if is_newer(err, raw):
+                    newer.append((eid, str(err)))  # fail closed means refuse to read it, never delete it
+                    continue
                 problems.append((eid, str(err)))
                 if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
                     bad[ekey] = raw
@@ -81,7 +85,7 @@ class Maintenance:
                 _budget.recount(txn, db)
 
             self._env.write(write)
-        return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans))
+        return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer))
 
     def _counts(self, txn) -> "_Counts":
         """How the stored reference counts differ from the references the manifests make."""
@@ -180,6 +184,14 @@ class Maintenance:
 
             self._env.after_commit(unlink)
         return len(stray)
+
+
+def is_newer(err: PromptStoreError, raw: Optional[bytes]) -> bool:
+    """Whether ``err``, met reading the manifest ``raw``, means the entry was
+    written by a newer promptstore (an entry format, storage kind or codec
+    version this one does not know, in a manifest whose checksum holds)
+    rather than damaged."""
+    return isinstance(err, (UnsupportedVersion, UnknownStorageKind)) and raw is not None and _entry.checksum_holds(raw)
 
 
 @dataclass(frozen=True)

@@ -45,16 +45,30 @@ class Written:
     written: int = 0  # bytes of the blocks this put added (the rest were stored already)
 
 
+class Changed(PromptStoreError):
+    """A rewrite found the entry changed since it was read (nothing was written)."""
+
+
 class EntryWriter:
     """Adds and removes entries of one store."""
 
-    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs, usage: Usage, shared_blocks: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        env: Env,
+        tables: Tables,
+        blobs: _blobs.Blobs,
+        usage: Usage,
+        shared_blocks: bool = False,
+        block_tokens: int = _blocks.BLOCK_TOKENS,
+    ):
         self.path = path
         self._env = env
         self._db = tables
         self._blobs = blobs
         self._usage = usage
         self.shared_blocks = shared_blocks  # puts keep KV arrays in shared blocks (format 3)
+        self.block_tokens = block_tokens  # the most tokens a new block spans
 
     # -- inside a write transaction ---------------------------------------------
 
@@ -207,8 +221,17 @@ class EntryWriter:
         encoded: Sequence[Encoded],
         trimmable: bool,
         meta: Dict[str, Any],
+        *,
+        created: Optional[float] = None,
+        used: Optional[float] = None,
+        expect: Optional[bytes] = None,
     ) -> Written:
         """Write an entry of ``encoded`` layers in one write transaction.
+
+        ``created`` and ``used`` (default: now) keep an entry's dates when it
+        is rewritten; with ``expect``, the entry is written only if the
+        manifest at its key is still ``expect`` (else :class:`Changed` is
+        raised and nothing is written), and nothing is evicted to make room.
 
         With ``shared_blocks``, the arrays of layers whose codec allows it go
         to shared blocks, cut at the bounds of the stored entry that shares the
@@ -237,9 +260,10 @@ class EntryWriter:
         blocks: List[Block] = []
         shared = 0
         if any(len(a) == 7 for rec in records for a in rec["arrays"]):
-            bounds = _blocks.plan_bounds(*self._base(model, mid, toks), n)
+            bounds = _blocks.plan_bounds(*self._base(model, mid, toks), n, self.block_tokens)
             blocks, shared = _cut(records, bounds)
-        now = time.time()
+        now = time.time() if created is None else created
+        last_used = F64.pack(now if used is None else used)
         written: List[str] = []  # blob files this put wrote (one per attempt)
 
         def pack(blob_name: Optional[str]) -> bytes:
@@ -251,6 +275,8 @@ class EntryWriter:
         manifest = pack(None)  # bad meta fails here, before any write (a blob entry's is packed again)
 
         def write(txn) -> int:
+            if expect is not None and bytes(txn.get(ekey, b"", db=self._db.entries)) != expect:
+                raise Changed(eid)
             chunks: Iterable[Any] = ()
             man = manifest
             if hashing is not None:
@@ -265,7 +291,7 @@ class EntryWriter:
                 man = pack(name)
             else:
                 chunks = _payload.iter_chunks(views, payload)
-            return self.add(txn, ekey, toks, trimmable, man, chunks, F64.pack(now), payload + len(man), blocks=blocks)
+            return self.add(txn, ekey, toks, trimmable, man, chunks, last_used, payload + len(man), evict=expect is None, blocks=blocks)
 
         try:
             new = self._env.write(write)
