@@ -1,4 +1,4 @@
-"""``promptstore bench``: throughput, lookup, memory and TTFT beside references."""
+"""``promptstore bench``: throughput, lookup, memory, TTFT and shared blocks beside references."""
 
 from __future__ import annotations
 
@@ -27,10 +27,14 @@ def bench(quick, out_file, scratch, as_json):
     get beside mlx-lm save/load_prompt_cache, file write+fsync/read and
     memcpy of the same bytes; lookup latency against store size; the peak
     memory of a get; time to first token on the fixture hybrid, cold and
-    restored; and the bytes written saving one row of a batch of 8. Prints
-    each ratio against its target (PASS/MISS). Uses scratch stores only,
-    never the --store directory. A full run takes a few minutes and several
-    GB of scratch disk.
+    restored; and the bytes written saving one row of a batch of 8. Then
+    shared blocks: a multi-turn chat through PersistentPromptCache (dense
+    fixture shape and Qwen3-Next-80B shape: bytes stored and written per
+    turn against unique and new bytes), conversations sharing one system
+    prompt, a prefix hit on a long entry (bytes read), and in a full run the
+    same at several block sizes. Prints each ratio against its target
+    (PASS/MISS). Uses scratch stores only, never the --store directory. A
+    full run takes several minutes and several GB of scratch disk.
     """
     def progress(line: str) -> None:
         click.echo(f"bench: {line}", err=True)
@@ -89,7 +93,8 @@ def render(res: Dict[str, Any]) -> str:
         "fresh process per cache size; before each of the first set (put, write, save, fresh get/load/read/"
         "memcpy) N bytes are touched and freed, so each starts with the same warm free memory (on this VM, "
         "memory freed seconds earlier goes back to the host and costs host faults to touch again). "
-        "Bytes written per put: /proc/self/io write_bytes of one put (payload, manifest, index, LMDB pages).")
+        "Bytes written per put: what one steady put passed to write calls (`/proc/self/io` wchar: payload, "
+        "blocks, manifest, index, LMDB pages).")
     add("")
     if res.get("throughput_hugetlb"):
         add("### The same, with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`")
@@ -112,10 +117,14 @@ def render(res: Dict[str, Any]) -> str:
     add("")
     add("## Lookup latency (ms, median)")
     add("")
-    add("| entries | store file | 1K-token query | 32K-token query |")
-    add("| ---: | ---: | ---: | ---: |")
+    add("| entries | store file | 1K-token query | 32K-token query | 1K, index only (peek) | 32K, index only (peek) |")
+    add("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in res["lookup"]:
-        add(f"| {r['entries']} | {_size(r['file_bytes'])} | {r['q1024'] * 1e3:.2f} | {r['q32768'] * 1e3:.2f} |")
+        add(f"| {r['entries']} | {_size(r['file_bytes'])} | {r['q1024'] * 1e3:.2f} | {r['q32768'] * 1e3:.2f} | "
+            f"{r.get('peek1024', 0) * 1e3:.2f} | {r.get('peek32768', 0) * 1e3:.2f} |")
+    add("")
+    add("lookup: the index, then the hit restored (900 and 31000 tokens of a 2-byte-per-token cache); "
+        "peek: the index alone.")
     add("")
     rs = res["row_save"]
     add(f"## Saving row {rs['row']} of a batch of {rs['rows']}")
@@ -125,8 +134,8 @@ def render(res: Dict[str, Any]) -> str:
     add(f"| {rs['row_tokens']} | {_size(rs['row_bytes'])} | {_size(rs['batch_bytes'])} | {_size(rs['entry_bytes'])} | "
         f"{_size(rs['written'])} | {rs['written'] / rs['row_bytes']:.3f} | {rs['extract_s']:.3f} | {rs['put_s']:.3f} |")
     add("")
-    add(f"Saved with {rs['method']}; recurrent layers are {rs['ssm_class']}. Bytes written: /proc/self/io "
-        "write_bytes of the put (payload, manifest, index and LMDB pages).")
+    add(f"Saved with {rs['method']}; recurrent layers are {rs['ssm_class']}. Bytes written: what the put passed "
+        "to write calls (`/proc/self/io` wchar: payload, blocks, manifest, index and LMDB pages).")
     add("")
     add("## Time to first token on fixtures/models/qwen3_next (ms)")
     add("")
@@ -136,6 +145,7 @@ def render(res: Dict[str, Any]) -> str:
         add(f"| {p['tokens']} | {p['cold_s'] * 1e3:.1f} | {p['restored_s'] * 1e3:.1f} | {p['cold_s'] / p['restored_s']:.1f}x | "
             f"{_size(p['entry_bytes'])} | {p['same_first_token']} |")
     add("")
+    lines.extend(_sharing(res))
     return "\n".join(lines)
 
 
@@ -163,3 +173,93 @@ def _throughput(rows: List[Dict[str, Any]], gbps) -> List[str]:
         )
     out.append("")
     return out
+
+
+def _sharing(res: Dict[str, Any]) -> List[str]:
+    """The shared-block sections: chat, shared system prompt, prefix hit, block sizes."""
+    out: List[str] = []
+    add = out.append
+    chats = res.get("chat", {})
+    if chats:
+        first = next(iter(chats.values()))
+        c0 = first["chat"]
+        per_turn = c0["user"] + c0["tail"] + c0["answer"]
+        add(f"## A {c0['turns']}-turn chat through PersistentPromptCache")
+        add("")
+        add("| cache | final tokens | entries kept | stored | unique | stored / unique | unshared / unique | manifests / stored "
+            "| written / new, median turn | worst turn | page cache dirtied / new, median | worst | put s | restored bit-exact |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for c in chats.values():
+            add(f"| {c['shape']} | {c['final_tokens']} | {c['entries']} | {_size(c['stored'])} | {_size(c['unique'])} | "
+                f"{c['stored'] / c['unique']:.3f} | {c['logical'] / c['unique']:.2f} | {c['manifests'] / c['stored']:.3f} | "
+                f"{c['written_median']:.2f} | {c['written_max']:.2f} | {c['dirtied_median']:.2f} | {c['dirtied_max']:.2f} | "
+                f"{c['put_s']:.3f} | {c['bit_exact']} |")
+        add("")
+        for c in chats.values():
+            add(f"- {c['shape']}, written / new by turn: " + " ".join(f"{t['written'] / t['new']:.2f}" for t in c["turns"]))
+        add("")
+        add(f"A {c0['system']}-token system prompt, then each turn a {c0['user']}-token user message, a "
+            f"{c0['tail']}-token generation prompt and a {c0['answer']}-token answer ({per_turn} new tokens), driven as "
+            "mlx-lm's server drives its prompt cache: `fetch_nearest_cache`, the cache extended (never recomputed), "
+            "`insert_cache` at the end of the system prompt (first turn), of the user message (`\"user\"`) and of the "
+            "answer (`\"assistant\"`), the writer flushed every turn. Recurrent layers get a new state at every insert. "
+            f"The serving cache keeps the latest {first['checkpoints']} checkpoints of a chain that cannot be trimmed, "
+            "plus the system prompt's (trimmable entries are all kept). *unique*: the final KV once "
+            "plus one recurrent state per entry kept; *unshared*: the entries' array bytes summed; *new*: the KV of a "
+            "turn's new tokens plus the recurrent states it inserted; *written*: the bytes the turn passed to write "
+            "calls (`/proc/self/io` wchar); *page cache dirtied*: its write_bytes, which on Linux >= 6.16 (ext4 large "
+            "folios) counts every page-cache folio a write touches, whole: far more than the device writes when "
+            "writes are small and scattered.")
+        add("")
+    shared = res.get("shared_prompt", [])
+    if shared:
+        add("## Conversations sharing one system prompt (dense fixture shape)")
+        add("")
+        add("| conversations | system tokens | own tokens | put | stored | unique | stored / unique | unshared / unique | manifests / stored | put s |")
+        add("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for s in shared:
+            how = "system prompt first" if s["system_entry"] else "whole conversations"
+            add(f"| {s['conversations']} | {s['system']} | {s['own_tokens']} | {how} | {_size(s['stored'])} | {_size(s['unique'])} | "
+                f"{s['stored'] / s['unique']:.3f} | {s['logical'] / s['unique']:.2f} | {s['manifests'] / s['stored']:.3f} | {s['put_s']:.3f} |")
+        add("")
+        add("Each conversation continues the system prompt's KV rows and adds 200-500 tokens of its own; put one by one "
+            "with `PromptStore.put`. *system prompt first*: its cache is put before the conversations, as mlx-lm's server "
+            "stores it; *whole conversations*: only they are put, as a warm-up of whole prompts does, so the block that "
+            "holds the end of the system prompt is stored again by each conversation.")
+        add("")
+    p = res.get("prefix_read")
+    if p:
+        add("## A prefix hit on a long trimmable entry (dense fixture shape)")
+        add("")
+        add("| entry | prefix | entry bytes | prefix bytes | bytes read | read / prefix | bit-exact | lookup ms | get of the entry ms | put GB/s |")
+        add("| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+        add(f"| {p['tokens']} | {p['prefix']} | {_size(p['bytes'])} | {_size(p['prefix_bytes'])} | {_size(p['bytes_read'])} | "
+            f"{p['bytes_read'] / p['prefix_bytes']:.3f} | {p['bit_exact']} | {p['lookup_s'] * 1e3:.1f} | {p['get_s'] * 1e3:.1f} | "
+            f"{gbps(p['bytes'], p['put_s']):.2f} |")
+        add("")
+        add("The query shares the entry's first tokens, then differs: `lookup` trims the entry to the common prefix, "
+            "reading only the blocks that cover it (`Hit.bytes_read`); the restored rows are compared with the stored "
+            "entry's, bit for bit.")
+        add("")
+    sizes = res.get("block_sizes", [])
+    if sizes:
+        e0 = sizes[0]["entry"]
+        add("## Block size (`PromptStore(block_tokens=N)`, dense fixture shape)")
+        add("")
+        add(f"| block tokens | block bytes | chat stored / unique | chat written / new | shared stored / unique | "
+            f"shared, whole conversations | put GB/s ({e0['tokens']}) | get GB/s | lookup ms ({e0['prefix']}-token prefix) | "
+            "prefix read / prefix | manifest | store file / stored |")
+        add("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for b in sizes:
+            e = b["entry"]
+            add(f"| {b['block_tokens']} | {_size(b['block_bytes'])} | {b['chat_ratio']:.3f} | {b['chat_written_median']:.2f} | "
+                f"{b['shared_ratio']:.3f} | {b['shared_whole_ratio']:.3f} | {gbps(e['bytes'], e['put_s']):.2f} | "
+                f"{gbps(e['bytes'], e['get_s']):.2f} | {e['lookup_s'] * 1e3:.1f} | {e['bytes_read'] / e['prefix_bytes']:.3f} | "
+                f"{_size(e['manifest'])} | {e['file'] / e['stored']:.2f} |")
+        add("")
+        add("The chat, the shared system prompt (both ways) and the long entry above, at each block size. *block bytes*: "
+            "one block of one array (a layer's keys or values); *chat written / new*: median turn; *manifest*: of one "
+            "entry of the long entry's length; *store file / stored*: the long entries' store file against `usage()`.")
+        add("")
+    return out
+

@@ -6,6 +6,7 @@ No test asserts on a time: the bench reports, it never gates.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import lmdb
 import mlx.core as mx
@@ -16,7 +17,10 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from promptstore import PromptStore
 from promptstore.format import _entry, _pages, _payload
+from promptstore.format._blocks import BLOCK_TOKENS
 from promptstore.bench import _data as data
+from promptstore.bench import _sharing as sharing
+from promptstore.bench._chat import Chat
 from promptstore.bench._mem import _status
 from promptstore.bench import targets
 from promptstore.cli import main
@@ -59,24 +63,92 @@ def test_quick_run_measures_every_case(quick):
     assert all(p["same_first_token"] and p["matched"] == p["tokens"] - 1 for p in res["prefill"])
 
 
+def test_quick_run_measures_the_shared_block_cases(quick):
+    res, md, _ = quick
+    chat = res["chat"]
+    assert set(chat) == {"dense", "hybrid"}
+    for name, c in chat.items():
+        turns = c["turns"]
+        spec = c["chat"]
+        assert len(turns) == spec["turns"] and c["bit_exact"] is True
+        # every later turn continues the previous turn's cache (memory hit at its full length)
+        assert [t["hit"] for t in turns[1:]] == [t["tokens"] for t in turns[:-1]]
+        assert [t["inserts"] for t in turns] == [3] + [2] * (spec["turns"] - 1)
+        per_turn = spec["user"] + spec["tail"] + spec["answer"]
+        assert [t["added"] for t in turns] == [spec["system"] + per_turn] + [per_turn] * (spec["turns"] - 1)
+        # a turn writes at least what it adds: its new KV and its recurrent states
+        assert all(t["written"] >= t["new"] > 0 for t in turns), name
+        # each token's KV stored once: bytes are deterministic, so the ratio is too
+        assert c["unique"] <= c["stored"] <= 1.10 * c["unique"], name
+        assert c["logical"] > c["stored"]  # without sharing, more
+    shape = data.Shape(**res["shape"])
+    hybrid = chat["hybrid"]
+    # the checkpoint history: the system prompt's plus the latest few of the chain
+    assert hybrid["entries"] == hybrid["checkpoints"] + 1 and hybrid["pruned"] > 0
+    assert hybrid["unique"] == shape.kv_per_token * hybrid["final_tokens"] + shape.state_bytes * hybrid["entries"]
+    dense = chat["dense"]
+    assert dense["entries"] == 1 + 2 * dense["chat"]["turns"]  # trimmable entries are all kept
+    assert dense["unique"] == data.DENSE.kv_per_token * dense["final_tokens"]
+    first, whole = res["shared_prompt"]
+    assert first["system_entry"] is True and whole["system_entry"] is False
+    assert first["unique"] == whole["unique"] == data.DENSE.kv_per_token * (first["system"] + first["own_tokens"])
+    assert first["unique"] <= first["stored"] <= 1.10 * first["unique"]
+    # without the system prompt's own entry, each conversation stores the block that ends it again
+    assert whole["stored"] > first["stored"]
+    p = res["prefix_read"]
+    assert p["bit_exact"] is True and p["prefix_bytes"] == data.DENSE.kv_per_token * p["prefix"]
+    # the blocks that cover the prefix, no more
+    assert p["bytes_read"] == data.DENSE.kv_per_token * (-(-p["prefix"] // BLOCK_TOKENS) * BLOCK_TOKENS) <= 1.10 * p["prefix_bytes"]
+    assert "block_sizes" not in res  # full run only
+    for title in ("turn chat through PersistentPromptCache", "Conversations sharing one system prompt",
+                  "A prefix hit on a long trimmable entry"):
+        assert title in md
+
+
+def test_block_sizes_compare_sharing_and_reads(tmp_path):
+    rows = sharing.block_sizes(tmp_path, data.DENSE, (16, 256), Chat(turns=2, system=40, user=20, tail=4, answer=30),
+                               shared=(3, 100), entry=(1024, 100), repeats=1)
+    assert [r["block_tokens"] for r in rows] == [16, 256] and not list(tmp_path.iterdir())
+    small, large = rows
+    assert small["block_bytes"] == 16 * 2 * 64 * 2  # one block of one array: tokens x heads x dims x bf16
+    for r in rows:
+        e = r["entry"]
+        assert e["bit_exact"] is True and e["put_s"] > 0 and e["get_s"] > 0 and e["manifest"] > 0
+        assert 1.0 <= r["chat_ratio"] and 1.0 <= r["shared_ratio"]
+    # a prefix hit reads whole blocks: 112 tokens of 16-token blocks, the first 256-token block
+    assert small["entry"]["bytes_read"] == 112 * data.DENSE.kv_per_token
+    assert large["entry"]["bytes_read"] == 256 * data.DENSE.kv_per_token
+    # whole conversations re-store the block that ends the system prompt: 4 tokens of 16, all 100 of 256
+    assert small["shared_whole_ratio"] < large["shared_whole_ratio"]
+
+
 def test_quick_run_cleans_its_scratch_and_reports_every_target(quick):
     res, md, tmp = quick
     assert [p.name for p in tmp.iterdir()] == ["bench.md"]  # scratch stores removed
     names = [t["name"] for t in res["targets"]]
-    assert len(names) == 4 * 2 + 2 + 1 + 1
+    assert len(names) == 4 * 2 + 2 + 1 + 1 + 2 * 3 + 2 + 1
+    assert len(set(names)) == len(names)
     assert md == render(res)
     for t in res["targets"]:
         assert f"| {t['name']} | {t['value']:.2f} |" in md
         assert ("PASS" if t["ok"] else "MISS") in md
 
 
-def _fake(get_s=1.0, load_s=1.5, memcpy_s=0.6, put_s=1.0, file_s=0.9, rss=1.2e9, n=1e9, lookup_s=0.004, written=1.04e9):
+def _fake(get_s=1.0, load_s=1.5, memcpy_s=0.6, put_s=1.0, file_s=0.9, rss=1.2e9, n=1e9, lookup_s=0.004, written=1.04e9,
+          chat_stored=1.1e9, chat_median=1.05, chat_max=1.1, shared_stored=1.1e9, prefix_read=1.1e6, prefix_exact=True):
+    chat = {"stored": int(chat_stored), "unique": int(1e9), "written_median": chat_median, "written_max": chat_max,
+            "chat": {"turns": 20}}
     return {
         "throughput": [{"tokens": 32768, "bytes": int(n), "get_fresh": get_s, "mlx_load_fresh": load_s,
                         "memcpy_fresh": memcpy_s, "put": put_s, "file_write": file_s}],
         "memory": [{"tokens": 32768, "bytes": int(n), "rss_delta": int(rss)}],
         "lookup": [{"entries": 10000, "q1024": 0.001, "q32768": lookup_s}],
         "row_save": {"written": int(written), "row_bytes": int(1e9)},
+        "chat": {"dense": {**chat, "shape": "dense fixture shape"}, "hybrid": {**chat, "shape": "Qwen3-Next-80B shape"}},
+        "shared_prompt": [{"stored": int(shared_stored), "unique": int(1e9), "conversations": 100, "system": 8100,
+                           "system_entry": True}],
+        "prefix_read": {"bytes_read": int(prefix_read), "prefix_bytes": int(1e6), "prefix": 4000, "tokens": 32768,
+                        "bit_exact": prefix_exact},
     }
 
 
@@ -109,12 +181,25 @@ def test_targets_pass_at_their_bounds():
         ({"rss": 1.3e9}, "peak memory of a get / N (32K)"),
         ({"lookup_s": 0.0051}, "lookup, 32K-token query, 10000 entries (ms)"),
         ({"written": 1.06e9}, "row save bytes written / row bytes"),
+        ({"shared_stored": 1.11e9}, "stored / unique bytes (100 conversations sharing a 8100-token system prompt, system prompt put first)"),
+        ({"prefix_read": 1.11e6}, "prefix hit: bytes read / prefix bytes (4000 of a 32768-token entry), bit-exact"),
+        ({"prefix_exact": False}, "prefix hit: bytes read / prefix bytes (4000 of a 32768-token entry), bit-exact"),
     ],
 )
 def test_targets_miss_just_past_their_bounds(kw, name):
     judged = {t["name"]: t for t in targets(_fake(**kw))}
     assert judged[name]["ok"] is False
     assert all(t["ok"] for n, t in judged.items() if n != name)
+
+
+@pytest.mark.parametrize("shape", ["dense fixture shape", "Qwen3-Next-80B shape"])
+@pytest.mark.parametrize("kw, what", [({"chat_stored": 1.11e9}, "stored / unique bytes"),
+                                      ({"chat_median": 1.11}, "bytes written / new bytes, median turn"),
+                                      ({"chat_max": 1.11}, "bytes written / new bytes, worst turn")])
+def test_chat_targets_miss_just_past_their_bounds(kw, what, shape):
+    judged = {t["name"]: t for t in targets(_fake(**kw))}
+    missed = [n for n, t in judged.items() if not t["ok"]]
+    assert f"{what} (20-turn chat, {shape})" in missed and len(missed) == 2  # both chats share the fake's figures
 
 
 def test_steady_put_replaces_its_entry_and_growing_put_keeps_them(tmp_path):
@@ -146,6 +231,32 @@ def test_full_shape_is_qwen3_next_80b():
     assert s.layers == 48 and len(attn) == 12 and attn[:3] == [3, 7, 11]
     # 36 x (conv 3*8192 bf16 + state 32*128*128 f32) + 12 x 2 x 2 heads x 256 dims bf16 per token
     assert s.nbytes(4096) == 36 * (3 * 8192 * 2 + 32 * 128 * 128 * 4) + 12 * 2 * 2 * 4096 * 256 * 2
+    assert s.kv_per_token == 24 * 1024 and round(s.state_bytes / 2**20, 1) == 73.7
+
+
+def test_dense_shape_is_the_llama_fixture():
+    config = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "models" / "llama" / "config.json").read_text())
+    d = data.DENSE
+    assert (d.ssm_layers, d.attn_layers) == (0, config["num_hidden_layers"])
+    assert (d.kv_heads, d.head_dim) == (config["num_key_value_heads"], config["head_dim"])
+    assert all(d.is_attention(i) for i in range(d.layers)) and d.state_bytes == 0
+    assert d.kv_per_token == 2 * 2 * 2 * 64 * 2  # layers x (keys, values) x heads x dims x bf16
+
+
+def test_grower_extends_in_place_and_renews_recurrent_state():
+    g = data.Grower(data.QUICK, seed=1)
+    cache = g.cache(10)
+    before = [data.covered(layer)[1] for layer in cache]
+    g.extend(cache, 5)
+    kv, ssm = cache[3], cache[0]
+    assert kv.offset == 15
+    kind, arrays = data.covered(kv)
+    assert kind == "kv" and [a.shape[-2] for a in arrays] == [15, 15]
+    assert all(bits_equal(a[..., :10, :], b).item() for a, b in zip(arrays, before[3], strict=True))  # earlier rows kept
+    assert not any(bits_equal(a, b).item() for a, b in zip(data.covered(ssm)[1], before[0], strict=True))  # a new state
+    fork = data.fork([kv])
+    g.extend(fork, 3)
+    assert kv.offset == 15 and fork[0].offset == 18 and data.same_rows(fork, [kv], 15)  # the fork shares, the original stays
 
 
 def test_hybrid_cache_has_real_shapes_and_dtypes():

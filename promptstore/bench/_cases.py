@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -47,13 +47,24 @@ def median_time(fn: Callable[[], Any], repeats: int, before: Optional[Callable[[
     return statistics.median(times)
 
 
-def write_bytes() -> int:
-    """Bytes this process caused to be sent to storage (``/proc/self/io``)."""
+def io_written() -> Tuple[int, int]:
+    """``(write_bytes, wchar)`` of ``/proc/self/io``.
+
+    ``wchar``: the bytes this process passed to write calls (to any file,
+    pipes included): every byte the store writes (LMDB is opened without
+    ``writemap``, so it writes pages with ``pwrite``; blob files with
+    ``write``). The bench's "bytes written". ``write_bytes``: what the kernel
+    accounts as sent to storage, counted as page-cache pages are dirtied: a
+    large folio (ext4 on Linux >= 6.16) is counted whole, however few of its
+    bytes a write changed, so small scattered writes count many times what
+    reaches the device.
+    """
+    found = {}
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("write_bytes:"):
-                return int(line.split()[1])
-    return 0
+            name, _, value = line.partition(":")
+            found[name] = int(value)
+    return found.get("write_bytes", 0), found.get("wchar", 0)
 
 
 def _payload_views(cache) -> List[memoryview]:
@@ -97,7 +108,8 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
         store.put(MODEL, tokens, cache)  # the entry every get reads (untimed first put)
         first_exact = _bits_exact(cache, _found(store.get(MODEL, tokens)))  # the last get is checked too
         rounds = iter(range(1, 1 << 30))
-        written: List[int] = []
+        written: List[int] = []  # bytes each steady put passed to write calls
+        dirtied: List[int] = []  # and what the kernel counted as page cache dirtied
         last: List[np.ndarray] = []  # the entries the last two steady puts wrote
         kept: List[Path] = []  # the files the growing reference wrote
 
@@ -127,9 +139,11 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
 
         def put() -> None:
             toks = variant()
-            io0 = write_bytes()
+            io0 = io_written()
             store.put(MODEL, toks, varied[0])
-            written.append(write_bytes() - io0)
+            io1 = io_written()
+            written.append(io1[1] - io0[1])
+            dirtied.append(io1[0] - io0[0])
             last.append(toks)
 
         def put_grow() -> None:  # its own store: it must not take the pages the steady puts free
@@ -195,6 +209,7 @@ def throughput(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int, se
         }
         out.update(interleaved({name: (_then_level(before, nbytes), fn) for name, (before, fn) in fresh.items()}, repeats))
         out["put_written_per_put"] = int(statistics.median(written))
+        out["put_dirtied_per_put"] = int(statistics.median(dirtied))
         release(True)()
         # With the mlx buffer cache: room for the buffers of the previous repeat.
         limit = mx.set_cache_limit(max(mx.get_cache_memory(), 3 * nbytes))
@@ -308,7 +323,8 @@ def peak_memory(workdir: Path, n_tokens: int) -> Dict[str, Any]:
 
 
 def lookup(workdir: Path, sizes: Sequence[int], repeats: int, seed: int = 0) -> List[Dict[str, Any]]:
-    """Lookup latency of 1K- and 32K-token queries as the store grows."""
+    """Lookup latency of 1K- and 32K-token queries as the store grows
+    (``q*``: ``lookup``, restoring the hit; ``peek*``: the index alone)."""
     corpus = data.LookupCorpus(seed)
     path = workdir / "lookup-store"
     results = []
@@ -331,6 +347,7 @@ def lookup(workdir: Path, sizes: Sequence[int], repeats: int, seed: int = 0) -> 
                 if hit is None or hit.matched != expect:
                     raise RuntimeError(f"lookup of the {q}-token query matched {getattr(hit, 'matched', None)}, expected {expect}")
                 row[f"q{q}"] = median_time(lambda: store.lookup(MODEL, query), repeats)
+                row[f"peek{q}"] = median_time(lambda: store.peek(MODEL, query), repeats)  # the index alone
             results.append(row)
     return results
 
@@ -349,11 +366,11 @@ def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, see
     tokens = np.random.default_rng(seed).integers(3, 150_000, size=lengths[i], dtype=np.uint32)
     with PromptStore(workdir / "row-store") as store:
         store.put(MODEL, tokens[:1], data.tiny_kv(1))  # the store file exists before the measured put
-        io0 = write_bytes()
+        io0 = io_written()
         t0 = time.perf_counter()
         info = put_row(store, MODEL, tokens, cache, i)
         t_put = time.perf_counter() - t0
-        written = write_bytes() - io0
+        io1 = io_written()
     return {
         "rows": rows,
         "row": i,
@@ -361,7 +378,8 @@ def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, see
         "row_bytes": row_bytes,
         "batch_bytes": data.cache_nbytes(cache),
         "entry_bytes": info.nbytes,
-        "written": written,
+        "written": io1[1] - io0[1],  # passed to write calls
+        "dirtied": io1[0] - io0[0],  # page cache the kernel counted as dirtied
         "extract_s": t_extract,
         "put_s": t_put,
         "ssm_class": ssm_class,

@@ -4,7 +4,9 @@ The bench cache is shaped like Qwen3-Next-80B: gated-DeltaNet layers whose
 cache is mlx-lm's ``ArraysCache(size=2)`` (conv state ``[1, 3, 8192]`` bf16,
 recurrent state ``[1, 32, 128, 128]`` f32) and full-attention layers as
 ``KVCache`` (2 KV heads of 256 dims, bf16), one attention layer every fourth
-layer as in the real model. Values are random; only shapes and dtypes matter.
+layer as in the real model. :data:`DENSE` is the cache of the dense fixture
+model (``fixtures/models/llama``). Values are random; only shapes and dtypes
+matter. :class:`Grower` extends a cache as a model would, token by token.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Sequence, Tuple, Union, cast
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 import numpy as np
 
+from promptstore.codecs import encode_layer
+from promptstore.format._bits import bits_equal
 from promptstore.ssm import SSMCache
 
 
@@ -40,14 +44,25 @@ class Shape:
         every = max(1, self.layers // max(1, self.attn_layers))
         return i % every == every - 1 and (i // every) < self.attn_layers
 
-    def nbytes(self, n_tokens: int) -> int:
-        ssm = math_prod(self.conv) * 2 + math_prod(self.state) * 4
-        kv = 2 * self.kv_heads * n_tokens * self.head_dim * 2
-        return self.ssm_layers * ssm + self.attn_layers * kv
+    @property
+    def kv_per_token(self) -> int:
+        """KV bytes one token adds (keys and values of every attention layer, bf16)."""
+        return self.attn_layers * 2 * self.kv_heads * self.head_dim * 2
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent layers' state (conv bf16 + recurrent f32): one checkpoint's worth."""
+        return self.ssm_layers * (math_prod(self.conv) * 2 + math_prod(self.state) * 4)
+
+    def nbytes(self, n_tokens: int) -> int:
+        return self.state_bytes + self.kv_per_token * n_tokens
+
+
+VOCAB = 150_000  # token ids drawn from [3, VOCAB)
 
 QWEN3_NEXT_80B = Shape()
 QUICK = Shape(ssm_layers=3, attn_layers=1)
+DENSE = Shape(ssm_layers=0, attn_layers=2, kv_heads=2, head_dim=64)  # fixtures/models/llama: 1 KiB per token
 
 
 def math_prod(xs: Sequence[int]) -> int:
@@ -90,9 +105,9 @@ def hybrid_cache(shape: Shape, n_tokens: int, seed: int = 0) -> List:
 
 
 def vary(cache: Sequence, r: int) -> List:
-    """``cache`` with one value of every 64 tokens of its KV layers changed
-    (by ``r``), the rest shared: stored blocks no longer match, so a put of
-    it writes all its bytes, as a put of a new prompt would."""
+    """``cache`` with one value of every token of its KV layers changed (by
+    ``r``): no stored block matches, whatever the block size, so a put of it
+    writes all its bytes, as a put of a new prompt would."""
     from mlx_lm.models.cache import KVCache
 
     out: List[Any] = []
@@ -102,11 +117,85 @@ def vary(cache: Sequence, r: int) -> List:
             continue
         n, width = layer.keys.shape[-2:]
         mark = np.zeros((n, width), dtype=np.float32)
-        mark[::64, 0] = float(r)
+        mark[:, 0] = float(r)
         delta = mx.array(mark).astype(layer.keys.dtype)
         new = KVCache()
         new.keys, new.values, new.offset = layer.keys + delta, layer.values + delta, layer.offset
         mx.eval(new.keys, new.values)
+        out.append(new)
+    return out
+
+
+class Grower:
+    """Extends caches of ``shape`` as a model reading new tokens would.
+
+    KV layers (mlx-lm ``KVCache``) get new random rows through their own
+    ``update_and_fetch``, so the rows already there keep their bytes;
+    recurrent layers (``ArraysCache(size=2)``) get a whole new state, different
+    from every earlier one (a base state plus a per-call constant: as large as
+    a real one, cheaper to make than fresh random numbers).
+    """
+
+    def __init__(self, shape: Shape, seed: int = 0):
+        self.shape = shape
+        self.rng = np.random.default_rng(seed)
+        self.calls = 0
+        key = mx.random.key(seed)
+        k1, k2 = mx.random.split(key)
+        self._conv = _random(shape.conv, mx.bfloat16, k1)
+        self._state = _random(shape.state, mx.float32, k2)
+
+    def empty(self) -> List:
+        """A cache before its first token (what ``make_prompt_cache`` returns)."""
+        from mlx_lm.models.cache import ArraysCache, KVCache
+
+        return [KVCache() if self.shape.is_attention(i) else ArraysCache(size=2) for i in range(self.shape.layers)]
+
+    def _kv(self, n: int) -> mx.array:
+        bits = self.rng.integers(0, 1 << 16, size=(1, self.shape.kv_heads, n, self.shape.head_dim), dtype=np.uint16)
+        return mx.array(bits).view(mx.bfloat16)  # any bits: only bytes are stored and compared
+
+    def extend(self, cache: Sequence, n: int) -> None:
+        """Add ``n`` tokens to ``cache`` in place, evaluated."""
+        from mlx_lm.models.cache import KVCache
+
+        self.calls += 1
+        out: List[mx.array] = []
+        for layer in cache:
+            if type(layer) is KVCache:
+                k, v = layer.update_and_fetch(self._kv(n), self._kv(n))
+                out += [k, v]
+            else:
+                layer[0] = self._conv + self.calls
+                layer[1] = self._state + self.calls
+                out += [layer[0], layer[1]]
+        mx.eval(out)
+
+    def cache(self, n: int) -> List:
+        """A new cache of ``n`` random tokens."""
+        cache = self.empty()
+        self.extend(cache, n)
+        return cache
+
+
+def token_ids(rng: np.random.Generator, n: int) -> List[int]:
+    """``n`` random token ids."""
+    return rng.integers(3, VOCAB, size=n).tolist()
+
+
+def fork(cache: Sequence) -> List:
+    """New ``KVCache`` layers over the same covered rows: extending the fork
+    leaves ``cache`` as it is, and the shared rows keep their bytes (how a
+    conversation continues from a cached system prompt)."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for layer in cache:
+        if type(layer) is not KVCache:
+            raise TypeError(f"fork: {type(layer).__name__} layers are not forked here (KV caches only)")
+        new = KVCache()
+        new.keys, new.values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+        new.offset = layer.offset
         out.append(new)
     return out
 
@@ -143,6 +232,27 @@ def _layer_arrays(layer) -> List[mx.array]:
     # Without a destination, tree_flatten returns the list of pairs.
     pairs = cast(List[Tuple[str, Any]], tree_flatten(layer.state))
     return [v for _, v in pairs if isinstance(v, mx.array)]
+
+
+def covered(layer) -> Tuple[str, List[mx.array]]:
+    """The storage kind and arrays promptstore stores for ``layer`` (its
+    codec's encoding, arrays in name order): a KV layer's covered rows, not
+    the spare rows of its buffer."""
+    enc = encode_layer(layer)
+    return enc.kind, [enc.arrays[name] for name in sorted(enc.arrays)]
+
+
+def same_rows(stored: Sequence, restored: Sequence, n: Optional[int] = None) -> bool:
+    """Whether every array of ``restored`` equals ``stored``'s, bit for bit
+    (with ``n``: the first ``n`` rows of each of ``stored``'s ``kv`` arrays)."""
+    for x, y in zip(stored, restored, strict=True):
+        kind, xs = covered(x)
+        for a, b in zip(xs, covered(y)[1], strict=True):
+            if n is not None and kind == "kv":
+                a = a[..., :n, :]
+            if a.dtype != b.dtype or a.shape != b.shape or not bits_equal(a, b).item():
+                return False
+    return True
 
 
 def cache_nbytes(cache: Sequence) -> int:

@@ -10,7 +10,13 @@ One run measures, on the same data:
 * longest-prefix lookup latency against store size;
 * peak memory a get adds (in a subprocess);
 * time to first token on the fixture hybrid, cold vs from a restored cache;
-* bytes written when one row of a batch of 8 is saved.
+* bytes written when one row of a batch of 8 is saved;
+* shared blocks: a multi-turn chat through ``PersistentPromptCache`` on the
+  dense fixture's cache shape and on the Qwen3-Next-80B shape (bytes
+  stored against unique bytes, bytes written per turn against new bytes),
+  conversations sharing one system prompt, a prefix hit on a long entry
+  (bytes read against the prefix's), and (full run) the same at several
+  block sizes.
 
 The CLI (``cli/bench.py``) renders the Markdown tables. Ratios are computed against references measured in the same run and judged
 against the targets of :func:`targets` (PASS/MISS), the goals of the README's Performance table.
@@ -30,12 +36,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from promptstore.bench import _cases as cases
 from promptstore.bench import _data as data
+from promptstore.bench import _sharing as sharing
+from promptstore.bench._chat import Chat, serve_chat
 
 __all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
 
@@ -69,10 +77,27 @@ class Plan:
     prefill_lengths: tuple
     prefill_repeats: int
     row_tokens: int
+    chat: Chat  # the multi-turn conversation (on the dense shape and on ``shape``)
+    shared: Tuple[int, int]  # (conversations, system-prompt tokens)
+    prefix: Tuple[int, int]  # (tokens of the long entry, tokens of the prefix hit)
+    block_sizes: Tuple[int, ...]  # block_tokens compared (full run)
+    dense: data.Shape = data.DENSE
 
 
-FULL = Plan(data.QWEN3_NEXT_80B, (4096, 32768), (15, 5), (100, 1000, 10000), 50, (256, 512, 1024, 2048), 3, 4096)
-QUICK = Plan(data.QUICK, (256, 1024), (2, 2), (10, 50), 3, (64,), 1, 256)
+FULL = Plan(
+    data.QWEN3_NEXT_80B, (4096, 32768), (15, 5), (100, 1000, 10000), 50, (256, 512, 1024, 2048), 3, 4096,
+    chat=Chat(turns=20, system=1024, user=250, tail=6, answer=256),
+    shared=(100, 8100),  # not a multiple of any block size compared: whole conversations pay a partial block
+    prefix=(32768, 4000),  # not a multiple of the block size: the partial block is paid
+    block_sizes=(16, 64, 256, 1024),
+)
+QUICK = Plan(
+    data.QUICK, (256, 1024), (2, 2), (10, 50), 3, (64,), 1, 256,
+    chat=Chat(turns=5, system=256, user=100, tail=6, answer=150),
+    shared=(20, 2000),
+    prefix=(8192, 1000),
+    block_sizes=(),
+)
 
 
 def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
@@ -93,8 +118,9 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
     started = time.time()
     out: Dict[str, Any] = {
         "quick": quick,
-        "plan": {k: v for k, v in asdict(plan).items() if k != "shape"},
+        "plan": {k: v for k, v in asdict(plan).items() if k not in ("shape", "dense")},
         "shape": asdict(plan.shape),
+        "dense_shape": asdict(plan.dense),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
@@ -126,10 +152,34 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
         out["row_save"] = cases.row_save(tmp, plan.shape, plan.row_tokens)
         progress("restore vs prefill on the fixture hybrid")
         out["prefill"] = cases.restore_vs_prefill(tmp, FIXTURE_HYBRID, plan.prefill_lengths, plan.prefill_repeats)
+        out.update(_sharing_cases(tmp, plan, progress))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.time() - started
     out["targets"] = targets(out)
+    return out
+
+
+def _sharing_cases(tmp: Path, plan: Plan, progress: Callable[[str], None]) -> Dict[str, Any]:
+    """The shared-block cases, each in a scratch directory removed afterwards."""
+    out: Dict[str, Any] = {"chat": {}}
+    c = plan.chat
+    for name, shape in (("dense", plan.dense), ("hybrid", plan.shape)):
+        progress(f"{c.turns}-turn chat through PersistentPromptCache, {name} cache")
+        out["chat"][name] = {**serve_chat(tmp / f"chat-{name}", shape, c), "shape": shape_name(shape)}
+        shutil.rmtree(tmp / f"chat-{name}", ignore_errors=True)
+    out["shared_prompt"] = []
+    for first in (True, False):
+        progress(f"{plan.shared[0]} conversations sharing a {plan.shared[1]}-token system prompt"
+                 + ("" if first else ", no system-prompt entry"))
+        out["shared_prompt"].append(sharing.shared_prompt(tmp / "shared", plan.dense, *plan.shared, system_entry=first))
+        shutil.rmtree(tmp / "shared", ignore_errors=True)
+    progress(f"prefix hit: {plan.prefix[1]} tokens of a {plan.prefix[0]}-token entry")
+    out["prefix_read"] = sharing.entry_reads(tmp / "prefix", plan.dense, *plan.prefix, 3)
+    shutil.rmtree(tmp / "prefix", ignore_errors=True)
+    if plan.block_sizes:
+        progress(f"block sizes {', '.join(map(str, plan.block_sizes))}: chat, shared prompt, long entry")
+        out["block_sizes"] = sharing.block_sizes(tmp, plan.dense, plan.block_sizes, c, plan.shared, plan.prefix, repeats=3)
     return out
 
 
@@ -145,8 +195,8 @@ def targets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
     """
     out: List[Dict[str, Any]] = []
 
-    def judge(name: str, value: float, op: str, target: float, what: str) -> None:
-        ok = value >= target if op == ">=" else value <= target
+    def judge(name: str, value: float, op: str, target: float, what: str, holds: bool = True) -> None:
+        ok = holds and (value >= target if op == ">=" else value <= target)
         out.append({"name": name, "value": value, "op": op, "target": target, "ok": bool(ok), "what": what})
 
     for t in res.get("throughput", []):
@@ -173,5 +223,33 @@ def targets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
     rs = res.get("row_save")
     if rs:
         judge("row save bytes written / row bytes", rs["written"] / rs["row_bytes"], "<=", 1.05,
-              "/proc/self/io write_bytes of the put vs the extracted row's array bytes")
+              "bytes the put passed to write calls (/proc/self/io wchar) vs the extracted row's array bytes")
+    for name, c in res.get("chat", {}).items():
+        which = f"{c['chat']['turns']}-turn chat, {c.get('shape', name)}"
+        judge(f"stored / unique bytes ({which})", c["stored"] / c["unique"], "<=", 1.10,
+              "store.usage() after the chat vs its final KV once plus one recurrent state per entry kept")
+        for stat, label in (("median", "median turn"), ("max", "worst turn")):
+            judge(f"bytes written / new bytes, {label} ({which})", c[f"written_{stat}"], "<=", 1.10,
+                  "bytes a turn (fetch, inserts, flush) passed to write calls (/proc/self/io wchar; write_bytes "
+                  "counts whole page-cache folios) vs the KV of its new tokens plus the recurrent states it inserted")
+    for s in res.get("shared_prompt", []):
+        how = "system prompt put first" if s["system_entry"] else "whole conversations only"
+        judge(f"stored / unique bytes ({s['conversations']} conversations sharing a {s['system']}-token system prompt, {how})",
+              s["stored"] / s["unique"], "<=", 1.10,
+              "store.usage() vs the system prompt's KV once plus each conversation's own")
+    p = res.get("prefix_read")
+    if p:
+        judge(f"prefix hit: bytes read / prefix bytes ({p['prefix']} of a {p['tokens']}-token entry), bit-exact",
+              p["bytes_read"] / p["prefix_bytes"], "<=", 1.10,
+              "Hit.bytes_read of the lookup vs the prefix's KV bytes; fails too if the restored prefix "
+              "differs from the stored rows", holds=p["bit_exact"])
     return out
+
+
+def shape_name(shape: data.Shape) -> str:
+    """How the tables name a cache shape."""
+    if shape == data.QWEN3_NEXT_80B:
+        return "Qwen3-Next-80B shape"
+    if shape == data.DENSE:
+        return "dense fixture shape"
+    return f"{shape.ssm_layers} recurrent + {shape.attn_layers} attention layers"
