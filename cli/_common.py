@@ -7,30 +7,104 @@ import json
 import os
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import click
 
-from promptstore import PromptStore, PromptStoreError
+from promptstore import InvalidInput, PromptStore, PromptStoreError, StoreUnavailable, default_path
 
 
 class Ctx:
-    """``ctx.obj``: the store path, opened lazily so usage errors never touch it."""
+    """``ctx.obj``: the store path, opened lazily so usage errors never touch it.
+
+    ``store`` opens it for writing (created when missing); ``reader()`` is for
+    commands that only read: it never creates a store, and opens one this
+    user may only read read-only.
+    """
 
     def __init__(self, store_path: Optional[str]):
         self.store_path = store_path
         self._store: Optional[PromptStore] = None
 
     @property
+    def path(self) -> Path:
+        return Path(self.store_path).expanduser() if self.store_path else default_path()
+
+    @property
     def store(self) -> PromptStore:
         if self._store is None:
+            path = self.path
+            if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+                raise StoreUnavailable(f"{path}: the store is read-only for this user; nothing was written. "
+                                       "Use a store you may write (--store DIR) or ask its owner")
             self._store = PromptStore(self.store_path)
         return self._store
+
+    def reader(self, counted: bool = False) -> PromptStore:
+        """The store for a command that only reads; never creates one.
+
+        ``counted``: record hits, misses and last use when this user may
+        write the store (``get``); otherwise it is opened read-only, which
+        also serves a store this user may only read.
+
+        Raises:
+            StoreUnavailable: no store at the path (nothing is created there).
+        """
+        if self._store is not None:
+            return self._store
+        path = self.path
+        if not self.exists():
+            self._missing()
+        writable = all(os.access(p, os.W_OK) for p in (path, path / "data.mdb", path / "lock.mdb") if p.exists())
+        self._store = PromptStore(path, readonly=not (counted and writable))
+        return self._store
+
+    def existing_store(self) -> PromptStore:
+        """:attr:`store`, for a command that changes a store but never creates one (rm, gc, compact).
+
+        Raises:
+            StoreUnavailable: no store at the path.
+        """
+        if self._store is None and not self.exists():
+            self._missing()
+        return self.store
+
+    def _missing(self) -> None:
+        path = self.path
+        what = "no such folder" if not path.exists() else "no data.mdb"
+        raise StoreUnavailable(f"{path}: not a promptstore store ({what}); pass the --store DIR of a store "
+                               "(`promptstore put` creates one)")
+
+    def exists(self) -> bool:
+        """Whether the path holds a store (generation 0's data file, or a compacted one's CURRENT)."""
+        return (self.path / "data.mdb").is_file() or (self.path / "CURRENT").is_file()
+
+    def reader_or_none(self, counted: bool = False) -> Optional[PromptStore]:
+        """:meth:`reader`, or None when there is no store yet: no folder, or
+        an empty one (a folder holding something else is still an error)."""
+        path = self.path
+        if self._store is None and not self.exists() and (not path.exists() or (path.is_dir() and not any(path.iterdir()))):
+            return None
+        return self.reader(counted)
 
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def check_output(path: str, hint: str = "-o") -> None:
+    """Refuse, before any work, an output file whose folder is missing or not writable.
+
+    Raises:
+        InvalidInput: naming the folder.
+    """
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise InvalidInput(f"{folder}: no such folder for {hint} {path}; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidInput(f"{folder}: not writable by this user, so {hint} {path} cannot be written")
 
 
 def format_size(n: int) -> str:

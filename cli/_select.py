@@ -9,7 +9,8 @@ from typing import Callable, Iterable, List, Optional
 
 import click
 
-from promptstore import fingerprint
+from promptstore import InvalidInput
+from promptstore.cli._model import identities
 
 MIN_KEY = 12
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -43,13 +44,21 @@ def key_length(ids: Iterable[str]) -> int:
 
 
 def model_filter(model: Optional[str]) -> Callable:
-    """A predicate on EntryInfo: a model directory matches its fingerprint;
-    anything else matches the readable model name (as ``ls`` shows it)."""
+    """A predicate on EntryInfo: a model folder (or a Hugging Face id in the
+    local cache) matches its identities (and the folder-named identity of
+    older releases); anything else matches the readable model name (as
+    ``ls`` shows it) or a whole identity string."""
     if model is None:
         return lambda info: True
-    if (Path(model).expanduser() / "config.json").is_file():
-        fp = fingerprint(model)
-        return lambda info: info.model == fp
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file() or (not path.exists() and model.count("/") == 1 and "@" not in model):
+        try:
+            ids = set(identities(model))
+        except InvalidInput:
+            if path.exists():
+                raise
+        else:
+            return lambda info: info.model in ids
     return lambda info: info.model_name == model or info.model == model
 
 

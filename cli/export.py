@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from promptstore import fingerprint
-from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, warn
+from promptstore import ModelMismatch
+from promptstore.cli._common import check_output, command, emit_json, format_size, guarded, info_json, json_option
+from promptstore.cli._model import MODEL_HELP, identities
 from promptstore.jobs.interop import export_entry
 
 
@@ -15,10 +16,10 @@ from promptstore.jobs.interop import export_entry
 @click.option(
     "--model",
     "model_dir",
-    default=None,
-    type=click.Path(file_okay=False, exists=True),
-    help="The entry's model directory: checked against the entry, and recorded in the file "
-    "(mlx_lm.generate refuses any other --model).",
+    required=True,
+    metavar="DIR|ORG/NAME",
+    help=MODEL_HELP + " Checked against the entry and recorded in the file: mlx_lm.generate loads "
+    "the model the file names, and refuses any other --model.",
 )
 @json_option
 @click.pass_obj
@@ -28,13 +29,15 @@ def export(obj, key, output, model_dir, as_json):
     that `mlx_lm.generate --prompt-cache-file` reads."""
     if not output.endswith(".safetensors"):
         raise click.BadParameter("the file must end in .safetensors (mlx-lm appends it otherwise)", param_hint="-o")
-    fp = fingerprint(model_dir) if model_dir else None
-    info, tokens = export_entry(obj.store, key, output, model_path=model_dir, model=fp)
-    if model_dir is None:
-        warn(f"the file records the model as {info.model_name!r}; mlx_lm.generate loads that name and refuses any "
-             "other --model: pass --model DIR to record the model directory")
+    check_output(output)
+    ids = identities(model_dir)
+    store = obj.reader()
+    entry = store.info(key)  # EntryNotFound names the key
+    if entry.model not in ids:
+        raise ModelMismatch(f"entry {entry.id} belongs to model {entry.model!r}, not {ids[0]!r} ({model_dir}); "
+                            "pass the --model it was stored with")
+    info, tokens = export_entry(store, entry.id, output, model_path=model_dir, model=entry.model)
     if as_json:
-        doc = {"output": output, "tokens": len(tokens), "entry": info_json(info), "model": model_dir or info.model_name}
-        emit_json(doc)
+        emit_json({"output": output, "tokens": len(tokens), "entry": info_json(info), "model": model_dir})
         return
     click.echo(f"wrote {output}: entry {info.id}, {len(tokens)} tokens, {format_size(info.nbytes)} of cache")

@@ -2,29 +2,34 @@
 
 from __future__ import annotations
 
+import re
+
 import click
 
 from promptstore.cli._common import command, emit_json, fail, format_size, guarded, json_option
 from promptstore.cli.rm import interactive
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(I?)(B?)")
+
+
 def parse_bytes(text: str) -> int:
-    """``12GB``, ``500MB``, ``1.5G``, ``1000000``: decimal units, as format_size prints them."""
-    units = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12}
-    s = text.strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTB")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB)", param_hint="--budget") from None
-    if unit not in units or value < 0:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB)", param_hint="--budget")
-    return int(value * units[unit])
+    """``12GB``, ``500MB``, ``1.5G``, ``1000000``: decimal units, as format_size
+    prints them; ``100KiB``, ``1.5GiB``: binary units (powers of 1024).
+
+    Raises:
+        click.BadParameter: anything else.
+    """
+    m = _SIZE.fullmatch(text.strip().upper())
+    if m is None or (m.group(3) and not m.group(2)):  # "5iB" is no unit
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB, 100KiB)", param_hint="--budget")
+    number, prefix, binary, _ = m.groups()
+    power = " KMGT".index(prefix or " ")
+    return int(float(number) * (1024 if binary else 1000) ** power)
 
 
 @command()
-@click.option("--budget", default=None, metavar="SIZE", help="Set the store's byte budget (remembered), e.g. 20GB; 'none' removes it.")
+@click.option("--budget", default=None, metavar="SIZE", help="Set the store's byte budget (remembered), e.g. 20GB or 16GiB; 'none' removes it.")
 @click.option("--dry-run", is_flag=True, help="Show what would be evicted; change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Evict without asking (required without a terminal).")
 @json_option
@@ -37,7 +42,7 @@ def gc(obj, budget, dry_run, yes, as_json):
     by itself). Also removes blob files no entry names (left by killed puts).
     The data file does not shrink: run `promptstore compact`.
     """
-    store = obj.store
+    store = obj.existing_store()
     new_budget = None if budget is None or budget.lower() == "none" else parse_bytes(budget)
     target = new_budget if budget is not None else store.budget
     plan = store.gc(budget=target, dry_run=True) if target is not None else None

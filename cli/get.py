@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import click
 
-from promptstore import fingerprint
-from promptstore.cli._common import command, emit_json, guarded, info_json, json_option, model_option
+from promptstore.cli._common import check_output, command, emit_json, guarded, info_json, json_option
+from promptstore.cli._model import best_lookup, check_length, load, model_options
 from promptstore.cli._prompt import prompt_options, prompt_tokens
 from promptstore.cli.put import progress_bar
 from promptstore.jobs.interop import write_mlx_cache_file
-from promptstore.jobs.prefill import load_model, make_cache, prefill
+from promptstore.jobs.prefill import make_cache, prefill
+
+# A match shorter than this share of the prompt (the chat template's opening,
+# say) is reported as a partial hit, not a hit.
+_PARTIAL = 0.5
 
 
 @command()
-@model_option()
+@model_options()
 @prompt_options
 @click.option(
     "-o",
@@ -26,31 +30,34 @@ from promptstore.jobs.prefill import load_model, make_cache, prefill
 @json_option
 @click.pass_obj
 @guarded
-def get(obj, model_dir, prompt, prompt_file, messages_file, no_chat_template, output, as_json):
+def get(obj, margs, pargs, output, as_json):
     """Find the longest stored prefix of a prompt on MODEL.
 
     Reports the tokens matched and the tokens left to prefill. With -o, the
     rest is prefilled and the cache of the whole prompt is written in
     mlx-lm's prompt-cache format; pass the same --model string to
-    mlx_lm.generate (it refuses another).
+    mlx_lm.generate (it refuses another). A store that does not exist yet
+    is a miss; one this user may only read is read without recording use.
     """
-    if output is not None and not output.endswith(".safetensors"):
-        raise click.BadParameter("the file must end in .safetensors (mlx-lm appends it otherwise)", param_hint="-o")
-    model, tokenizer = load_model(model_dir)
-    tokens = prompt_tokens(tokenizer, prompt, prompt_file, messages_file, no_chat_template)
-    if not tokens:
-        raise click.UsageError("the prompt encodes to no tokens")
-    fp = fingerprint(model_dir)
-    hit = obj.store.lookup(fp, tokens)
+    if output is not None:
+        if not output.endswith(".safetensors"):
+            raise click.BadParameter("the file must end in .safetensors (mlx-lm appends it otherwise)", param_hint="-o")
+        check_output(output)
+    loaded = load(margs)
+    tokens = prompt_tokens(loaded.tokenizer, pargs)
+    if output is not None:
+        check_length(loaded, len(tokens), margs)
+    store = obj.reader_or_none(counted=True)
+    hit = best_lookup(store, loaded, tokens) if store is not None else None
     matched = hit.matched if hit else 0
     if output is not None:
-        cache = hit.cache if hit else make_cache(model)
+        cache = hit.cache if hit else make_cache(loaded.model, margs.cache)
         rest = tokens[matched:]
         if rest:
             bar, progress = progress_bar(len(rest))
             with bar:
-                prefill(model, rest, cache=cache, progress=progress)
-        write_mlx_cache_file(output, cache, model_dir, tokens=tokens, fingerprint=fp)
+                cache = prefill(loaded.model, rest, cache=cache, progress=progress, options=margs.cache)
+        write_mlx_cache_file(output, cache, loaded.spec, tokens=tokens, fingerprint=loaded.identity)
     if as_json:
         emit_json({
             "tokens": len(tokens),
@@ -65,7 +72,9 @@ def get(obj, model_dir, prompt, prompt_file, messages_file, no_chat_template, ou
         click.echo(f"miss: 0 of {len(tokens)} tokens stored; {len(tokens)} to prefill")
     else:
         trimmed = f" (trimmed {hit.trimmed} from a longer entry)" if hit.trimmed else ""
-        click.echo(f"hit {hit.info.id}: {matched} of {len(tokens)} tokens{trimmed}; {len(tokens) - matched} to prefill")
+        word = "hit" if matched >= _PARTIAL * len(tokens) else "partial hit"
+        share = f" ({100 * matched / len(tokens):.1f}%)" if matched < len(tokens) else ""
+        click.echo(f"{word} {hit.info.id}: {matched} of {len(tokens)} tokens{share}{trimmed}; {len(tokens) - matched} to prefill")
     if output is not None:
         click.echo(f"wrote {output}: {len(tokens)} tokens ({len(tokens) - matched} prefilled); "
-                   f"use: mlx_lm.generate --model {model_dir} --prompt-cache-file {output} --prompt ...")
+                   f"use: mlx_lm.generate --model {loaded.spec} --prompt-cache-file {output} --prompt ...")

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import click
 
-from promptstore import fingerprint
-from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, model_option
-from promptstore.cli._prompt import prompt_options, read_prompt
+from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option
+from promptstore.cli._model import load, model_options
+from promptstore.cli._prompt import encode, prompt_options, read_prompt
 from promptstore.cli.put import parse_meta
 from promptstore.jobs.interop import import_mlx_cache_file
-from promptstore.jobs.prefill import encode_prompt, load_model
 
 
 @command("import")
-@model_option()
+@model_options(cache=False)
 @prompt_options
 @click.argument("file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--meta", "meta_pairs", multiple=True, metavar="KEY=VALUE", help="User metadata to store (repeatable).")
 @json_option
 @click.pass_obj
 @guarded
-def import_(obj, model_dir, prompt, prompt_file, messages_file, no_chat_template, file, meta_pairs, as_json):
+def import_(obj, margs, pargs, file, meta_pairs, as_json):
     """Store FILE, an mlx-lm prompt-cache file (mlx_lm.cache_prompt), under MODEL.
 
     mlx-lm files carry no token ids: give the prompt the file was made from
@@ -30,11 +29,11 @@ def import_(obj, model_dir, prompt, prompt_file, messages_file, no_chat_template
     may be left out.
     """
     meta = parse_meta(meta_pairs)
-    given = any(x is not None for x in (prompt, prompt_file, messages_file))
-    text, messages = read_prompt(prompt, prompt_file, messages_file) if given else (None, None)
-    model, tokenizer = load_model(model_dir)
-    tokens = encode_prompt(tokenizer, text, messages, chat_template=not no_chat_template) if given else None
-    info = import_mlx_cache_file(obj.store, fingerprint(model_dir), file, tokens=tokens, model=model, meta=meta)
+    text, messages = read_prompt(pargs) if pargs.given else (None, None)
+    store = obj.store  # a store this user cannot write fails here, before the model loads
+    loaded = load(margs)
+    tokens = encode(loaded.tokenizer, text, messages, pargs) if pargs.given else None
+    info = import_mlx_cache_file(store, loaded.identity, file, tokens=tokens, model=loaded.model, meta=meta)
     if as_json:
         emit_json(info_json(info))
         return

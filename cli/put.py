@@ -6,11 +6,10 @@ import sys
 
 import click
 
-from promptstore import fingerprint
+from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option
+from promptstore.cli._model import check_length, load, model_options
+from promptstore.cli._prompt import encode, prompt_options, read_prompt
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints, prefill_with_checkpoints
-from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, model_option
-from promptstore.cli._prompt import prompt_options, read_prompt
-from promptstore.jobs.prefill import encode_prompt, load_model
 
 
 def parse_meta(pairs) -> dict:
@@ -35,7 +34,7 @@ def progress_bar(total: int):
 
 
 @command()
-@model_option()
+@model_options()
 @prompt_options
 @click.option("--meta", "meta_pairs", multiple=True, metavar="KEY=VALUE", help="User metadata to store (repeatable).")
 @click.option(
@@ -48,25 +47,27 @@ def progress_bar(total: int):
 @json_option
 @click.pass_obj
 @guarded
-def put(obj, model_dir, prompt, prompt_file, messages_file, no_chat_template, meta_pairs, checkpoints, as_json):
+def put(obj, margs, pargs, meta_pairs, checkpoints, as_json):
     """Prefill a prompt on MODEL and store its prompt cache.
 
     The chat template is applied as mlx_lm.cache_prompt does (one open user
-    turn), unless --no-chat-template.
+    turn, after --system-prompt), unless --ignore-chat-template. A prompt
+    longer than the model's context is refused before prefill.
     """
     meta = parse_meta(meta_pairs)
-    text, messages = read_prompt(prompt, prompt_file, messages_file)
-    model, tokenizer = load_model(model_dir)
-    tokens = encode_prompt(tokenizer, text, messages, chat_template=not no_chat_template)
-    if not tokens:
-        raise click.UsageError("the prompt encodes to no tokens")
-    fp = fingerprint(model_dir)
+    text, messages = read_prompt(pargs)
+    store = obj.store  # a store this user cannot write fails here, before any prefill
+    loaded = load(margs)
+    tokens = encode(loaded.tokenizer, text, messages, pargs)
+    check_length(loaded, len(tokens), margs)
     boundaries = []
-    if checkpoints and messages is not None and needs_checkpoints(model, len(tokens)):
-        boundaries = message_boundaries(tokenizer, messages, tokens)
+    if checkpoints and messages is not None and needs_checkpoints(loaded.model, len(tokens), margs.cache):
+        boundaries = message_boundaries(loaded.tokenizer, messages, tokens)
     bar, progress = progress_bar(len(tokens))
     with bar:
-        info, stored = prefill_with_checkpoints(obj.store, fp, model, tokens, boundaries, meta=meta, progress=progress)
+        info, stored = prefill_with_checkpoints(
+            store, loaded.identity, loaded.model, tokens, boundaries, meta=meta, progress=progress, options=margs.cache
+        )
     if as_json:
         doc = info_json(info)
         doc["checkpoints"] = [info_json(c) for c in stored]

@@ -36,7 +36,8 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
         raise click.UsageError("give KEYs, or --model/--older-than, not both")
     if not keys and not model and not older_than:
         raise click.UsageError("nothing selected: give KEYs, --model or --older-than")
-    store = obj.store
+    age = parse_duration(older_than) if older_than else None  # a usage error before the store is touched
+    store = obj.existing_store()
     everything = list(store.entries())
     if keys:
         plan, seen = [], set()
@@ -47,7 +48,7 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
                 plan.append(info)
     else:
         keep = model_filter(model)
-        cutoff = datetime.now(timezone.utc) - parse_duration(older_than) if older_than else None
+        cutoff = datetime.now(timezone.utc) - age if age is not None else None
         plan = [i for i in everything if keep(i) and (cutoff is None or i.last_used < cutoff)]
     total = sum(i.nbytes for i in plan)
     keylen = key_length(i.id for i in everything)

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Optional
 import click
 
 from promptstore import warmup as run_warmup
-from promptstore.cli._common import emit_json, format_size, guarded, json_option
-from promptstore.jobs.prefill import load_model
+from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
+from promptstore.cli._model import load, model_options
+from promptstore.jobs.prefill import PREFILL_STEP
 
 if TYPE_CHECKING:
     from click._termui_impl import ProgressBar
@@ -39,8 +40,8 @@ class _Bar:
             self.bar = None
 
 
-@click.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False), help="mlx-lm model directory.")
+@command()
+@model_options(cache=False)
 @click.argument("prompts_file", metavar="PROMPTS.jsonl", type=click.Path(dir_okay=False, exists=True))
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1), help="Prompts prefilled together.")
 @click.option(
@@ -50,11 +51,18 @@ class _Bar:
     type=click.IntRange(min=0),
     help="For caches that cannot be trimmed (hybrid models), also store a checkpoint every N tokens; 0: message boundaries only.",
 )
-@click.option("--no-chat-template", is_flag=True, help="Tokenize prompts as raw text, without the chat template.")
+@click.option("--prefill-step-size", type=click.IntRange(min=1), default=PREFILL_STEP, show_default=True, help="Prompt tokens per forward pass; smaller lowers peak memory.")
+@click.option(
+    "--ignore-chat-template",
+    "--no-chat-template",
+    "no_chat_template",
+    is_flag=True,
+    help="Tokenize prompts as raw text, without the chat template (as mlx_lm.generate --ignore-chat-template).",
+)
 @json_option
 @click.pass_obj
 @guarded
-def warmup(obj, model_dir, prompts_file, batch_size, checkpoint_every, no_chat_template, as_json):
+def warmup(obj, margs, prompts_file, batch_size, checkpoint_every, prefill_step_size, no_chat_template, as_json):
     """Prefill every prompt of PROMPTS.jsonl on MODEL and store its cache.
 
     Each line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}.
@@ -62,18 +70,21 @@ def warmup(obj, model_dir, prompts_file, batch_size, checkpoint_every, no_chat_t
     continues where it stopped. A bad line is reported with its line number;
     the job goes on and exits 1 at the end.
     """
-    loaded = load_model(model_dir)
+    store = obj.store  # a store this user cannot write fails here, before the model loads
+    loaded = load(margs)
     bar = _Bar(True)  # stderr: --json keeps stdout for the summary alone
     try:
         summary = run_warmup(
-            obj.store,
-            model_dir,
+            store,
+            loaded.path,
             prompts_file,
             batch_size=batch_size,
             checkpoint_every=checkpoint_every,
             chat_template=not no_chat_template,
             progress=bar,
-            loaded=loaded,
+            step=prefill_step_size,
+            loaded=(loaded.model, loaded.tokenizer),
+            model_id=loaded.identity,
         )
     finally:
         bar.close()

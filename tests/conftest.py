@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from promptstore import PromptStore, fingerprint
+
+# Model digests are remembered on disk; the tests (and their subprocesses) keep theirs out of ~/.cache.
+os.environ.setdefault("PROMPTSTORE_IDENTITY_CACHE", os.path.join(tempfile.mkdtemp(prefix="promptstore-identity-"), "identity.json"))
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "fixtures" / "models"
@@ -32,6 +37,20 @@ def sample_tokens(n: int, seed: int = 0, vocab: int = 500) -> list:
 
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def continued(cache) -> list:
+    """New KVCache layers over the positions ``cache`` covers: prefilling more
+    tokens into them leaves ``cache`` as it is (a conversation continued,
+    whose entry then shares the blocks of ``cache``'s entry)."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for layer in cache:
+        c = KVCache()
+        c.keys, c.values, c.offset = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset
+        out.append(c)
+    return out
 
 
 def greedy(model, cache, first_logits, steps: int):

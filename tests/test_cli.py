@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import MODELS, load_fixture
 
-from _raw import get_chunk, set_chunk
+from _raw import blocks_of, flip_block, get_chunk, set_chunk, shared_block
 from promptstore import PromptStore
 from promptstore.cli import main
 from promptstore.cli._select import key_length, parse_duration
@@ -110,10 +110,14 @@ def test_ls_keys_sort_limit_and_model_filter(cli):
     assert {r["id"] for r in js(cli("ls", "--json", "--model", QNEXT))} == {other["id"]}
     assert {r["id"] for r in js(cli("ls", "--json", "--model", "llama"))} == {short["id"], long_["id"]}
     table = cli("ls", "--limit", "2").stdout.splitlines()
-    assert table[0].split() == ["KEY", "MODEL", "KINDS", "TOKENS", "SIZE", "LAST", "USED"]
+    assert table[0].split() == ["KEY", "MODEL", "KINDS", "TOKENS", "SIZE", "OWN", "SHARED", "LAST", "USED"]
+    for r in rows:
+        assert 0 < r["own_bytes"] <= r["bytes"] and r["own_bytes"] + r["shared_bytes"] == r["bytes"]
     assert len(table) == 4 and table[-1].startswith("3 entries, ") and table[-1].endswith("(showing 2)")
     key = table[1].split()[0]
-    assert js(cli("export", key, "-o", str(_tmp(cli) / "x.safetensors"), "--json"))["entry"]["id"].startswith(key)
+    keyed = next(r for r in rows if r["id"].startswith(key))
+    model = LLAMA if keyed["model_name"] == "llama" else QNEXT
+    assert js(cli("export", key, "-o", str(_tmp(cli) / "x.safetensors"), "--model", model, "--json"))["entry"]["id"].startswith(key)
 
 
 def _tmp(cli):
@@ -221,19 +225,52 @@ def test_stats_counts_entries_bytes_models_kinds_hits_and_misses(cli):
     assert "2 hits, 1 misses" in human and "llama" in human and human.strip().endswith(f"2 entries, {human.split()[-2]} {human.split()[-1]}")
 
 
+def test_stats_and_ls_show_a_shared_prefix_stored_once(cli):
+    first = put(cli, "One two three.", LLAMA, "--no-chat-template")
+    longer = put(cli, "One two three. And then a few more words.", LLAMA, "--no-chat-template")
+    doc = js(cli("stats", "--json"))
+    assert doc["live_bytes"] == first["bytes"] + longer["bytes"]
+    # The longer entry references the first one's blocks: they are stored once.
+    assert doc["stored_bytes"] < first["bytes"] + longer["bytes"] * 1.05
+    assert doc["dedup_ratio"] == doc["live_bytes"] / doc["stored_bytes"] > 1.2  # stored includes the manifests
+    rows = {r["id"]: r for r in js(cli("ls", "--json"))}
+    assert rows[first["id"]]["own_bytes"] == 0 and rows[first["id"]]["shared_bytes"] == first["bytes"]
+    assert rows[longer["id"]]["own_bytes"] == longer["bytes"] - first["bytes"]
+    assert "shared prefixes" in cli("stats").stdout
+
+
 def test_verify_detects_and_fixes_damage(cli):
+    good = put(cli, "Good entry.", LLAMA, "--no-chat-template")
+    bad = put(cli, "Entry to damage.", LLAMA, "--no-chat-template")
+    worse = put(cli, "Entry to damage. And the turn after it.", LLAMA, "--no-chat-template")  # continues bad's cache
+    ok = js(cli("verify", "--json"))
+    assert ok["ok"] and ok["checked"] == 3 and ok["problems"] == []
+    damaged = sorted([bad["id"], worse["id"]])
+    with PromptStore(cli.store_dir) as s:
+        flip_block(s, shared_block(s, damaged), bit=0x40)  # a block of bad's tokens, which worse shares
+        assert not set(blocks_of(s, good["id"])) & set(blocks_of(s, bad["id"]))
+    found = js(cli("verify", "--json", code=1))
+    assert not found["ok"] and sorted(p["id"] for p in found["problems"]) == damaged and not found["fixed"]
+    assert "verify --fix" in cli("verify", code=1).stderr
+    fixed = js(cli("verify", "--fix", "--json", code=1))  # problems were found: still exit 1
+    assert fixed["fixed"] and sorted(p["id"] for p in fixed["problems"]) == damaged
+    assert js(cli("verify", "--json"))["ok"]
+    assert [r["id"] for r in js(cli("ls", "--json"))] == [good["id"]]
+    got = js(cli("get", "--model", LLAMA, "--prompt", "Good entry.", "--no-chat-template", "--json"))
+    assert got["entry"]["id"] == good["id"] and got["to_prefill"] == 0
+
+
+def test_verify_detects_and_fixes_damage_to_a_payload(cli, monkeypatch):
+    monkeypatch.setenv("PROMPTSTORE_SHARED_BLOCKS", "0")  # format 1: the KV in the entry's payload chunks
     good = put(cli, "Good entry.")
     bad = put(cli, "Entry to damage.")
-    ok = js(cli("verify", "--json"))
-    assert ok["ok"] and ok["checked"] == 2 and ok["problems"] == []
     with PromptStore(cli.store_dir) as s:
         chunk = bytearray(get_chunk(s, bad["id"], 0))
         chunk[len(chunk) // 2] ^= 0x40
         set_chunk(s, bad["id"], 0, chunk)
     found = js(cli("verify", "--json", code=1))
     assert not found["ok"] and [p["id"] for p in found["problems"]] == [bad["id"]] and not found["fixed"]
-    assert "verify --fix" in cli("verify", code=1).stderr
-    fixed = js(cli("verify", "--fix", "--json", code=1))  # problems were found: still exit 1
+    fixed = js(cli("verify", "--fix", "--json", code=1))
     assert fixed["fixed"] and [p["id"] for p in fixed["problems"]] == [bad["id"]]
     assert js(cli("verify", "--json"))["ok"]
     assert [r["id"] for r in js(cli("ls", "--json"))] == [good["id"]]
@@ -266,14 +303,17 @@ def test_export_writes_an_mlx_lm_file_that_imports_back(cli, tmp_path):
     assert js(cli("get", "--model", QNEXT, "--prompt", PROMPT, "--json"))["matched"] == entry["tokens"]
 
 
-def test_export_without_model_warns_and_checks_model(cli, tmp_path):
+def test_export_requires_model_and_checks_it(cli, tmp_path):
+    # Deliberately changed (issue 22): without --model the file named a model that
+    # mlx_lm.generate then refused; now --model is required.
     entry = put(cli, PROMPT)
-    res = cli("export", entry["id"], "-o", str(tmp_path / "a.safetensors"))
-    assert "warning:" in res.stderr and "--model DIR" in res.stderr
+    res = js(cli("export", entry["id"], "-o", str(tmp_path / "a.safetensors"), "--json", code=2))
+    assert res["error"] == "UsageError" and "--model" in res["message"] and not (tmp_path / "a.safetensors").exists()
     err = js(cli("export", entry["id"], "-o", str(tmp_path / "b.safetensors"), "--model", QNEXT, "--json", code=1))
     assert err["error"] == "ModelMismatch"
-    assert js(cli("export", entry["id"], "-o", str(tmp_path / "c.bin"), "--json", code=2))["error"] == "UsageError"
-    assert js(cli("export", "ffff", "-o", str(tmp_path / "d.safetensors"), "--json", code=1))["error"] == "EntryNotFound"
+    assert js(cli("export", entry["id"], "-o", str(tmp_path / "c.bin"), "--model", LLAMA, "--json", code=2))["error"] == "UsageError"
+    missing = js(cli("export", "ffff", "-o", str(tmp_path / "d.safetensors"), "--model", LLAMA, "--json", code=1))
+    assert missing["error"] == "EntryNotFound"
 
 
 def test_import_refuses_coverage_and_model_mismatches(cli, tmp_path):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from promptstore.codecs import codec_for_layer
-from promptstore.jobs.prefill import make_cache, prefill
+from promptstore.jobs.prefill import CacheOptions, make_cache, prefill
 
 __all__ = ["BOUNDARY_ROLES", "message_boundaries", "needs_checkpoints", "prefill_with_checkpoints"]
 
@@ -42,17 +42,19 @@ def message_boundaries(tokenizer: Any, messages: List[Dict[str, Any]], tokens: S
     return sorted(out)
 
 
-def needs_checkpoints(model: Any, n_tokens: Optional[int] = None) -> bool:
+def needs_checkpoints(model: Any, n_tokens: Optional[int] = None, options: Optional[CacheOptions] = None) -> bool:
     """True when a cache of ``n_tokens`` on ``model`` could not be trimmed:
     a recurrent layer, or a sliding window no longer than the prompt (any
     sliding window when ``n_tokens`` is None). Such entries only serve
     queries that extend them exactly, so chats need boundary checkpoints.
     Each layer's codec decides (a kind that does not say needs them).
+    ``options`` are the cache options prefill will use (``max_kv_size``
+    makes sliding windows).
 
     Raises:
         UnknownStorageKind: a layer's exact class has no codec.
     """
-    return any(codec_for_layer(layer).needs_checkpoints(layer, n_tokens) for layer in make_cache(model))
+    return any(codec_for_layer(layer).needs_checkpoints(layer, n_tokens) for layer in make_cache(model, options))
 
 
 def prefill_with_checkpoints(
@@ -63,8 +65,11 @@ def prefill_with_checkpoints(
     boundaries: Sequence[int],
     meta: Optional[Dict[str, Any]] = None,
     progress: Optional[Callable[[int, int, float], None]] = None,
+    options: Optional[CacheOptions] = None,
 ) -> Tuple[Any, List[Any]]:
     """Prefill ``tokens`` segment by segment, storing an entry at each boundary and at the end.
+
+    ``options``: mlx-lm's cache options (:class:`CacheOptions`).
 
     Returns:
         ``(final EntryInfo, [checkpoint EntryInfo, ...])``.
@@ -73,7 +78,7 @@ def prefill_with_checkpoints(
 
     total = len(tokens)
     start = time.perf_counter()
-    cache = make_cache(model)
+    cache = make_cache(model, options)
     checkpoints = []
     done = 0
     cuts = [b for b in sorted(set(boundaries)) if 0 < b < total] + [total]
@@ -84,7 +89,7 @@ def prefill_with_checkpoints(
             if progress is not None:
                 progress(base + n, total, time.perf_counter() - start)
 
-        prefill(model, tokens[done:cut], cache=cache, progress=seg_progress)
+        prefill(model, tokens[done:cut], cache=cache, progress=seg_progress, options=options)
         done = cut
         if cut == total:
             break

@@ -6,34 +6,86 @@ Shared by the CLI, warm-up jobs and tests; mlx-lm is imported lazily.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
 
 from promptstore.errors import InvalidInput
+from promptstore.identity import resolve_model
 
-__all__ = ["load_model", "encode_prompt", "prefill", "make_cache", "eval_cache"]
+__all__ = ["CacheOptions", "load_model", "encode_prompt", "prefill", "make_cache", "eval_cache"]
 
 PREFILL_STEP = 2048
+QUANTIZED_KV_START = 5000  # mlx_lm.generate's default
 Progress = Callable[[int, int, float], None]  # (done, total, seconds so far)
 
 
-def load_model(path: str) -> Tuple[Any, Any]:
-    """``mlx_lm.load`` of a local model directory, with a typed error.
+@dataclass(frozen=True)
+class CacheOptions:
+    """mlx-lm's cache options, with the meaning ``mlx_lm.generate`` gives them.
+
+    ``max_kv_size``: a rotating (sliding-window) KV cache of that many tokens
+    (``make_prompt_cache(model, max_kv_size)``). ``kv_bits``: quantize the KV
+    layers once they hold ``quantized_kv_start`` tokens, in groups of
+    ``kv_group_size`` (``maybe_quantize_kv_cache``). ``step``: prompt tokens
+    per forward pass (``--prefill-step-size``).
+    """
+
+    max_kv_size: Optional[int] = None
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = QUANTIZED_KV_START
+    step: int = PREFILL_STEP
+
+
+def load_model(path: str, adapter_path: Optional[str] = None) -> Tuple[Any, Any]:
+    """``mlx_lm.load`` of a model directory or a Hugging Face id in the local
+    cache (never the network), with a typed error.
 
     Raises:
-        InvalidInput: the directory is missing or not an mlx-lm model.
+        InvalidInput: the directory is missing or not an mlx-lm model, or the
+            adapter cannot be applied.
     """
     from mlx_lm import load
 
-    p = Path(path).expanduser()
+    p = resolve_model(path)
     if not (p / "config.json").is_file():
         raise InvalidInput(f"{p}: not an mlx-lm model directory (no config.json)")
     try:
-        return cast(Tuple[Any, Any], load(str(p)))  # (model, tokenizer) without return_config
+        # (model, tokenizer) without return_config
+        return cast(Tuple[Any, Any], load(str(p), adapter_path=adapter_path))
     except Exception as err:  # mlx-lm raises ValueError, KeyError, OSError... on bad dirs
-        raise InvalidInput(f"{p}: cannot load model: {type(err).__name__}: {err}") from err
+        what = f"adapter {adapter_path}" if adapter_path is not None else "model"
+        raise InvalidInput(f"{p}: cannot load {what}: {type(err).__name__}: {err}") from err
+
+
+def check_messages(messages: Any) -> None:
+    """Refuse anything but a non-empty list of ``{"role": str, "content": str | list}``.
+
+    Raises:
+        InvalidInput: naming the first bad message by its index.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput('messages must be a non-empty list of {"role": ..., "content": ...} objects')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidInput(f"message {i} is a {type(m).__name__}, not a {{\"role\": ..., \"content\": ...}} object")
+        for key in ("role", "content"):
+            if key not in m:
+                raise InvalidInput(f"message {i} has no {key!r}; each message needs a \"role\" and a \"content\"")
+        if not isinstance(m["role"], str):
+            raise InvalidInput(f"message {i}: \"role\" must be a string")
+        if not isinstance(m["content"], (str, list)):
+            raise InvalidInput(f"message {i}: \"content\" must be a string (or a list of content parts)")
+
+
+def _template(tokenizer: Any, messages: List[Dict[str, Any]], **kwargs: Any) -> List[int]:
+    try:
+        return list(tokenizer.apply_chat_template(messages, **kwargs))
+    except Exception as err:  # jinja2 raises TemplateError, UndefinedError, TypeError...
+        raise InvalidInput(f"the model's chat template refused these messages ({type(err).__name__}: {err})") from err
 
 
 def encode_prompt(
@@ -41,36 +93,46 @@ def encode_prompt(
     prompt: Optional[str] = None,
     messages: Optional[List[Dict[str, Any]]] = None,
     chat_template: bool = True,
+    system_prompt: Optional[str] = None,
 ) -> List[int]:
     """Token ids of a prompt, templated as ``mlx_lm.cache_prompt`` does.
 
     A plain prompt becomes one open user turn (``continue_final_message``),
-    so every later request that starts with it shares its tokens. Messages
-    are templated as they are, without a generation prompt.
+    after a system message when ``system_prompt`` is given (as
+    ``mlx_lm.generate --system-prompt`` places it), so every later request
+    that starts with it shares its tokens. Messages are templated as they
+    are, without a generation prompt.
+
+    Raises:
+        InvalidInput: malformed messages, messages or a system prompt without
+            a chat template, or a template that refuses them.
     """
     if (prompt is None) == (messages is None):
         raise InvalidInput("give exactly one of a prompt or messages")
     has_template = getattr(tokenizer, "has_chat_template", False)
+    use_template = chat_template and has_template
+    if system_prompt is not None and not use_template:
+        raise InvalidInput("a system prompt needs the model's chat template (drop --ignore-chat-template, or put it in the prompt)")
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise InvalidInput("messages must be a list of {\"role\": ..., \"content\": ...} objects")
-        if not chat_template or not has_template:
+        check_messages(messages)
+        if system_prompt is not None:
+            raise InvalidInput("give the system prompt as the first of the messages, not as well")
+        if not use_template:
             raise InvalidInput("messages need the model's chat template")
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
-    if chat_template and has_template:
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=False, continue_final_message=True
-            )
-        )
+        return _template(tokenizer, messages, add_generation_prompt=False)
+    if use_template:
+        turns: List[Dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        turns.append({"role": "user", "content": prompt})
+        return _template(tokenizer, turns, add_generation_prompt=False, continue_final_message=True)
     return list(tokenizer.encode(prompt))
 
 
-def make_cache(model: Any) -> List[Any]:
-    """The model's prompt cache, as mlx-lm makes it."""
+def make_cache(model: Any, options: Optional[CacheOptions] = None) -> List[Any]:
+    """The model's prompt cache, as mlx-lm makes it (rotating layers with
+    ``options.max_kv_size``)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    return make_prompt_cache(model)
+    return make_prompt_cache(model, options.max_kv_size if options is not None else None)
 
 
 def eval_cache(cache: List[Any]) -> None:
@@ -86,15 +148,27 @@ def prefill(
     model: Any,
     tokens: Sequence[int],
     cache: Optional[List[Any]] = None,
-    step: int = PREFILL_STEP,
+    step: Optional[int] = None,
     progress: Optional[Progress] = None,
+    options: Optional[CacheOptions] = None,
 ) -> List[Any]:
     """Run ``tokens`` through ``model`` into ``cache`` (made when None), in chunks.
+
+    With ``options.kv_bits``, KV layers are quantized after each chunk as
+    ``mlx_lm.generate`` does (``maybe_quantize_kv_cache``, which replaces
+    list items: the list passed in is updated in place).
 
     Returns the cache, which then covers exactly ``len(tokens)`` more tokens.
     """
     if cache is None:
-        cache = make_cache(model)
+        cache = make_cache(model, options)
+    if step is None:
+        step = options.step if options is not None else PREFILL_STEP
+    quantize = None
+    if options is not None and options.kv_bits is not None:
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        quantize = maybe_quantize_kv_cache
     total = len(tokens)
     start = time.perf_counter()
     done = 0
@@ -102,6 +176,8 @@ def prefill(
         n = min(step, total - done)
         # mx.array takes any sequence of ints; its stub names only list and tuple.
         model(mx.array(cast(List[int], tokens[done : done + n]))[None], cache=cache)
+        if quantize is not None and options is not None:
+            quantize(cache, options.quantized_kv_start, options.kv_group_size, options.kv_bits)
         eval_cache(cache)
         done += n
         if progress is not None:

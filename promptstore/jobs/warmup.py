@@ -386,6 +386,7 @@ def warmup(
     check_batching: bool = True,
     step: int = PREFILL_STEP,
     loaded: Optional[Tuple[Any, Any]] = None,
+    model_id: Optional[str] = None,
 ) -> WarmupSummary:
     """Prefill every prompt of a JSONL file (or iterable of records) and store its cache.
 
@@ -404,6 +405,8 @@ def warmup(
             its most padded row and fall back to serial prefill if any bit differs.
         step: prefill chunk length.
         loaded: ``(model, tokenizer)`` already loaded from ``model_dir``.
+        model_id: the identity to store under; default ``fingerprint(model_dir)``
+            (the CLI passes the identity of the model with its adapter).
 
     Returns:
         A WarmupSummary; ``summary.errors`` lists each failed line.
@@ -421,7 +424,7 @@ def warmup(
     records, errors = read_prompts(prompts)
     n_bad_lines = len(errors)
     model, tokenizer = loaded if loaded is not None else load_model(str(model_dir))
-    model_id = fingerprint(model_dir)
+    model_id = model_id if model_id is not None else fingerprint(model_dir)
     if checkpoints is None:
         checkpoints = needs_checkpoints(model)
     plans, skipped = _plan(records, tokenizer, store, model_id, chat_template, checkpoints, checkpoint_every, errors)
