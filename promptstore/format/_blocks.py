@@ -63,7 +63,7 @@ def plan_bounds(base: Sequence[int], shared: int, n: int, step: int = BLOCK_TOKE
     return tuple(ends)
 
 
-def _header(kind: str, version: int, dtype: str, shape: Sequence[int]) -> bytes:
+def header(kind: str, version: int, dtype: str, shape: Sequence[int]) -> bytes:
     return f"{kind}\0{version}\0{dtype}\0{','.join(map(str, shape))}\0".encode()
 
 
@@ -71,7 +71,7 @@ def address(kind: str, version: int, dtype: str, shape: Sequence[int], data: Any
     """The content address of a block: ``data`` is its bytes in C order, or a
     ``[rows, tokens, width]`` view of them whose rows are each contiguous
     (hashed row by row, no copy)."""
-    h = xxhash.xxh3_128(_header(kind, version, dtype, shape))
+    h = xxhash.xxh3_128(header(kind, version, dtype, shape))
     if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
         for row in data:
             h.update(row)

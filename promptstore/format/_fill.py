@@ -16,6 +16,7 @@ the caller waits for every job inside that transaction.
 from __future__ import annotations
 
 import ctypes
+import struct
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -127,7 +128,79 @@ def _digest(lib: ctypes.CDLL, host: np.ndarray, pieces: Sequence[Tuple[int, int]
         return int(lib.XXH3_64bits_digest(state))
 
 
+class _XXH128(ctypes.Structure):
+    _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
+
+
+def _setup_128(lib: Optional[ctypes.CDLL]) -> bool:
+    """Declare the XXH3-128 streaming functions of ``lib`` (the shared blocks'
+    addresses); False when it lacks them or disagrees with the ``xxhash``
+    package."""
+    if lib is None:
+        return False
+    try:
+        lib.XXH3_128bits_reset.argtypes = (ctypes.c_void_p,)
+        update = getattr(lib, "XXH3_128bits_update_dispatch", None) or lib.XXH3_128bits_update
+        update.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        lib.update128 = update  # type: ignore[attr-defined]  # CDLL takes new attributes
+        lib.XXH3_128bits_digest.restype = _XXH128
+        lib.XXH3_128bits_digest.argtypes = (ctypes.c_void_p,)
+    except AttributeError:
+        return False
+    import xxhash
+
+    data = np.frombuffer(bytes(range(256)) * 1031, dtype=np.uint8)
+    state = lib.XXH3_createState()
+    try:
+        lib.XXH3_128bits_reset(state)
+        lib.update128(state, data.ctypes.data, 1000)
+        lib.update128(state, data.ctypes.data + 1000, data.size - 1000)
+        d = lib.XXH3_128bits_digest(state)
+    finally:
+        lib.XXH3_freeState(state)
+    return struct.pack(">QQ", d.high64, d.low64) == xxhash.xxh3_128_digest(data.data)
+
+
 _XXH3 = _load_xxh3()
+_HAS_128 = _setup_128(_XXH3)
+
+
+def read_hashed(fd: int, rows: Sequence[memoryview], offset: int, head: bytes) -> Optional[bytes]:
+    """Read consecutive file bytes from ``offset`` into ``rows`` (writable
+    byte views, filled in order), a piece at a time, hashing each piece with
+    XXH3-128 right after it is read (from the CPU cache), after ``head``.
+    Returns the canonical (big-endian) digest, or None when the library has
+    no XXH3-128 (the caller hashes). Raises ShortRead when the file ends
+    first. Releases the GIL while reading and hashing."""
+    if not _HAS_128 or _XXH3 is None:
+        return None
+    lib = _XXH3
+    state = lib.XXH3_createState()
+    if not state:
+        raise MemoryError("XXH3_createState failed")
+    try:
+        lib.XXH3_128bits_reset(state)
+        hb = ctypes.create_string_buffer(head, len(head))
+        lib.update128(state, ctypes.addressof(hb), len(head))
+        pos = offset
+        for row in rows:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(row))
+            done = 0
+            while done < len(row):
+                n = min(PIECE, len(row) - done)
+                got = 0
+                while got < n:
+                    r = os.preadv(fd, [row[done + got : done + n]], pos + got)
+                    if r <= 0:
+                        raise ShortRead(pos + got, n - got)
+                    got += r
+                lib.update128(state, base + done, n)
+                done += n
+                pos += n
+        d = lib.XXH3_128bits_digest(state)
+        return struct.pack(">QQ", d.high64, d.low64)
+    finally:
+        lib.XXH3_freeState(state)
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 

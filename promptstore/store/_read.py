@@ -270,6 +270,14 @@ def _read_blocks(fd: int, tasks: Sequence[_Block], offsets: Sequence[int], where
         for k in lane:
             t, off = tasks[k], offsets[k]
             views = [row.reshape(-1).data for row in t.rows]
+            try:  # read and hash each piece while it is in the CPU cache
+                digest = _fill.read_hashed(fd, views, off, _blocks.header(t.kind, t.version, t.dtype, t.shape))
+            except _fill.ShortRead:
+                return f"the data file ends inside block {t.key.hex()}"
+            if digest is not None:
+                if digest != t.key:
+                    return f"block {t.key.hex()} does not match its address (its bytes are damaged)"
+                continue
             if os.preadv(fd, views, off) != t.rows.nbytes:  # a short read: again, a row at a time
                 for i, v in enumerate(views):
                     pos = 0
