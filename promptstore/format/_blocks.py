@@ -26,6 +26,7 @@ second branch on, the shared prefix's last, partial block is shared too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence, Tuple
 
 import numpy as np
@@ -90,7 +91,7 @@ def check(key: bytes, kind: str, version: int, dtype: str, shape: Sequence[int],
     Raises:
         CorruptEntry: the block is missing bytes or damaged (or is not the one the entry names).
     """
-    if len(data) != int(np.prod(shape)) * itemsize:
+    if len(data) != math.prod(shape) * itemsize:
         raise CorruptEntry(f"{where}: block {key.hex()} has {len(data)} bytes, expected shape {tuple(shape)} {dtype}")
     if address(kind, version, dtype, shape, data) != key:
         raise CorruptEntry(f"{where}: block {key.hex()} does not match its address (its bytes are damaged)")

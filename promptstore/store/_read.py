@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
+import mlx.core as mx
 import numpy as np
 
 from promptstore.codecs import readable_codec
@@ -44,6 +45,7 @@ log = logging.getLogger("promptstore")
 T = TypeVar("T")
 
 _LOOKS = 8  # reads of an entry replaced every time give up after this many snapshots
+_SMALL = 1 << 20  # shared arrays of fewer bytes are assembled in numpy, then copied into mlx
 
 
 class Reader:
@@ -111,11 +113,14 @@ class Reader:
         large = man.payload + man.shared_bytes >= _pages.MIN_PAYLOAD
         arrays = self._payload(txn, ekey, man.payload_only(), where, remembered, large)
         if man.bounds:
-            self._assemble(txn, man, arrays, where)
+            self._assemble(txn, man, arrays, where, large)
         return _entry.decode_layers(man, arrays, where)
 
-    def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str) -> None:
+    def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str, large: bool) -> None:
         blocks = self._db.blocks
+        if not large:  # a few small blocks: copied out of the map here (threads, offsets and madvise cost more)
+            assemble(lambda key: txn.get(key, db=blocks), man, arrays, where)
+            return
         data = self._env.data_file()
         fd = data.fd if _fill.available() else None
         assemble(lambda key: txn.get(key, db=blocks), man, arrays, where, data.release, data.offset if fd is not None else None, fd)
@@ -214,27 +219,32 @@ def assemble(
             raws.append(raw)
             start = end
         found.append(raws)
-    dests = _blank.blank([rec.nbytes for _, rec in parted])
+    small = fd is None and sum(rec.nbytes for _, rec in parted) < _SMALL
+    # A small restore fills numpy buffers and copies them into mlx at the end:
+    # mlx's loader (_blank) costs more than copying a few hundred kB again.
+    dests: List[Any] = [np.empty(rec.nbytes, np.uint8) for _, rec in parted] if small else _blank.blank([rec.nbytes for _, rec in parted])
     tasks: List[_Block] = []
-    for (li, rec), dest, raws in zip(parted, dests, found):
+    for i, ((li, rec), raws) in enumerate(zip(parted, found)):
         layer = man.layers[li]
         size = _entry.DTYPES[rec.dtype].size
-        rows = np.asarray(dest).reshape(-1, rec.shape[-2], rec.shape[-1] * size)
+        rows = np.asarray(dests[i]).reshape(-1, rec.shape[-2], rec.shape[-1] * size)
         start = 0
         for key, end, raw in zip(rec.parts or (), man.bounds, raws):
             shape = _blocks.block_shape(rec.shape, start, end)
             tasks.append(_Block(key, layer.kind, layer.version, rec.dtype, shape, size, raw, rows[:, start:end, :]))
             start = end
-        arrays[li][rec.name] = dest.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
     located = [offset(t.raw) for t in tasks] if offset is not None and fd is not None else None
     if fd is not None and located is not None and all(o is not None for o in located):
         _read_blocks(fd, tasks, [o for o in located if o is not None], where)
-        return
-    for t in tasks:
-        _blocks.check(t.key, t.kind, t.version, t.dtype, t.shape, t.itemsize, t.raw, where)
-        t.rows[...] = np.frombuffer(t.raw, dtype=np.uint8).reshape(t.rows.shape)
-        if release is not None:
-            release(t.raw)
+    else:
+        for t in tasks:
+            _blocks.check(t.key, t.kind, t.version, t.dtype, t.shape, t.itemsize, t.raw, where)
+            t.rows[...] = np.frombuffer(t.raw, dtype=np.uint8).reshape(t.rows.shape)
+            if release is not None:
+                release(t.raw)
+    for (li, rec), dest in zip(parted, dests):
+        arr = mx.array(dest) if small else dest
+        arrays[li][rec.name] = arr.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
 
 
 @dataclass
