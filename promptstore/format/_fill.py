@@ -21,7 +21,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import numpy as np
 
@@ -165,16 +165,21 @@ _XXH3 = _load_xxh3()
 _HAS_128 = _setup_128(_XXH3)
 
 
-def read_hashed(fd: int, rows: Sequence[memoryview], offset: int, head: bytes) -> Optional[bytes]:
+def available_128() -> bool:
+    """Whether :func:`read_hashed` can run (the library has XXH3-128)."""
+    return _HAS_128
+
+
+def read_hashed(fd: int, rows: Sequence[memoryview], offset: int, head: bytes) -> bytes:
     """Read consecutive file bytes from ``offset`` into ``rows`` (writable
-    byte views, filled in order), a piece at a time, hashing each piece with
-    XXH3-128 right after it is read (from the CPU cache), after ``head``.
-    Returns the canonical (big-endian) digest, or None when the library has
-    no XXH3-128 (the caller hashes). Raises ShortRead when the file ends
-    first. Releases the GIL while reading and hashing."""
-    if not _HAS_128 or _XXH3 is None:
-        return None
-    lib = _XXH3
+    byte views, filled in order), hashing them with XXH3-128 after ``head``
+    a piece at a time (see :func:`_read_piecewise`); return the canonical
+    (big-endian) digest. Only when :func:`available_128`.
+
+    Raises:
+        ShortRead: the file ends first.
+    """
+    lib = cast(ctypes.CDLL, _XXH3)
     state = lib.XXH3_createState()
     if not state:
         raise MemoryError("XXH3_createState failed")
@@ -182,25 +187,38 @@ def read_hashed(fd: int, rows: Sequence[memoryview], offset: int, head: bytes) -
         lib.XXH3_128bits_reset(state)
         hb = ctypes.create_string_buffer(head, len(head))
         lib.update128(state, ctypes.addressof(hb), len(head))
-        pos = offset
         for row in rows:
-            base = ctypes.addressof(ctypes.c_char.from_buffer(row))
-            done = 0
-            while done < len(row):
-                n = min(PIECE, len(row) - done)
-                got = 0
-                while got < n:
-                    r = os.preadv(fd, [row[done + got : done + n]], pos + got)
-                    if r <= 0:
-                        raise ShortRead(pos + got, n - got)
-                    got += r
-                lib.update128(state, base + done, n)
-                done += n
-                pos += n
+            _read_piecewise(fd, row, ctypes.addressof(ctypes.c_char.from_buffer(row)), 0, offset, len(row), lib.update128, state)
+            offset += len(row)
         d = lib.XXH3_128bits_digest(state)
         return struct.pack(">QQ", d.high64, d.low64)
     finally:
         lib.XXH3_freeState(state)
+
+
+def _read_piecewise(fd: int, view: memoryview, addr: int, pos: int, offset: int, length: int, update: Any, state: int) -> int:
+    """Read file bytes ``[offset, offset + length)`` into ``view[pos:]``
+    (whose memory starts at ``addr``), ``PIECE`` bytes at a time, hashing
+    each piece with ``update(state, address, n)`` right after it is read,
+    while it is in the CPU cache; return the position after them. The GIL
+    is released while reading and hashing.
+
+    Raises:
+        ShortRead: the file ends first.
+    """
+    done = 0
+    while done < length:
+        n = min(PIECE, length - done)
+        got = 0
+        while got < n:
+            r = os.preadv(fd, [view[pos + got : pos + n]], offset + done + got)
+            if r <= 0:
+                raise ShortRead(offset + done + got, n - got)
+            got += r
+        update(state, addr + pos, n)
+        pos += n
+        done += n
+    return pos
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 
@@ -302,18 +320,7 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]], fresh: 
             _populate(base, host.nbytes)
         view = host.data
         for offset, length in segments:
-            done = 0
-            while done < length:
-                n = min(PIECE, length - done)
-                got = 0
-                while got < n:
-                    r = os.preadv(fd, [view[pos + got : pos + n]], offset + done + got)
-                    if r <= 0:
-                        raise ShortRead(offset + done + got, n - got)
-                    got += r
-                _XXH3.update(state, base + pos, n)
-                pos += n
-                done += n
+            pos = _read_piecewise(fd, view, base, pos, offset, length, _XXH3.update, state)
         return int(_XXH3.XXH3_64bits_digest(state))
 
 

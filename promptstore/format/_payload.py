@@ -61,7 +61,7 @@ def prepare(
             dtype = DTYPE_NAMES.get(a.dtype)
             if dtype is None:
                 raise CorruptEntry(f"kind {enc.kind!r}: array {name!r} has unsupported dtype {a.dtype}")
-            if blocks and a.ndim >= 2 and a.shape[-2] == n_tokens and a.nbytes:
+            if blocks and spans_tokens(a.shape, a.nbytes, n_tokens):
                 arrays.append([name, dtype, list(a.shape), offset, a.nbytes, 0, a])
                 continue
             buf = host_bytes(a)
@@ -70,6 +70,12 @@ def prepare(
             offset += buf.nbytes
         records.append({"kind": enc.kind, "version": enc.version, "meta": enc.meta, "arrays": arrays})
     return records, views, offset
+
+
+def spans_tokens(shape: Sequence[int], nbytes: int, n_tokens: int) -> bool:
+    """Whether an array of ``shape`` spans an entry's ``n_tokens`` tokens on
+    its second-to-last axis: what a layer that allows it keeps in shared blocks."""
+    return len(shape) >= 2 and shape[-2] == n_tokens and nbytes > 0
 
 
 def add_checksums(records: List[dict], views: Sequence[memoryview]) -> None:

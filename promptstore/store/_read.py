@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +121,7 @@ class Reader:
             assemble(lambda key: txn.get(key, db=blocks), man, arrays, where)
             return
         data = self._env.data_file()
-        fd = data.fd if _fill.available() else None
+        fd = data.fd if _fill.available_128() else None
         assemble(lambda key: txn.get(key, db=blocks), man, arrays, where, data.release, data.offset if fd is not None else None, fd)
 
     def _payload(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool, large: bool) -> List[Dict[str, Any]]:
@@ -263,12 +262,9 @@ class _Block:
 
 
 def _read_blocks(fd: int, tasks: Sequence[_Block], offsets: Sequence[int], where: str) -> None:
-    """Read each block with one ``preadv`` into its destination rows (an
-    iovec per row) and check it against its address, on the fill threads
-    (two lanes balanced by bytes)."""
-    for t in tasks:
-        if len(t.raw) != t.rows.nbytes:
-            raise CorruptEntry(f"{where}: block {t.key.hex()} has {len(t.raw)} bytes, expected shape {t.shape} {t.dtype}")
+    """Read each block into its destination rows, hashing it a piece at a
+    time as it is read (``_fill.read_hashed``), and check it against its
+    address, on the fill threads (two lanes balanced by bytes)."""
     lanes: List[List[int]] = [[], []]
     loads = [0, 0]
     for k in sorted(range(len(tasks)), key=lambda k: -tasks[k].rows.nbytes):
@@ -284,19 +280,7 @@ def _read_blocks(fd: int, tasks: Sequence[_Block], offsets: Sequence[int], where
                 digest = _fill.read_hashed(fd, views, off, _blocks.header(t.kind, t.version, t.dtype, t.shape))
             except _fill.ShortRead:
                 return f"the data file ends inside block {t.key.hex()}"
-            if digest is not None:
-                if digest != t.key:
-                    return f"block {t.key.hex()} does not match its address (its bytes are damaged)"
-                continue
-            if os.preadv(fd, views, off) != t.rows.nbytes:  # a short read: again, a row at a time
-                for i, v in enumerate(views):
-                    pos = 0
-                    while pos < len(v):
-                        r = os.preadv(fd, [v[pos:]], off + i * len(v) + pos)
-                        if r <= 0:
-                            return f"the data file ends inside block {t.key.hex()}"
-                        pos += r
-            if _blocks.address(t.kind, t.version, t.dtype, t.shape, t.rows) != t.key:
+            if digest != t.key:
                 return f"block {t.key.hex()} does not match its address (its bytes are damaged)"
         return None
 

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 from promptstore.codecs import codec_for_kind, encode_layer
 from promptstore.errors import PromptStoreError
-from promptstore.format import _entry
+from promptstore.format import _entry, _payload
 from promptstore.store import _keys
 from promptstore.store._env import Env
 from promptstore.store._read import Reader
@@ -39,7 +39,7 @@ def shareable(man: _entry.Manifest) -> bool:
                 continue
         except PromptStoreError:
             return False
-        if any(len(r.shape) >= 2 and r.shape[-2] == n and r.nbytes for r in layer.arrays):
+        if any(_payload.spans_tokens(r.shape, r.nbytes, n) for r in layer.arrays):
             return True
     return False
 
