@@ -75,19 +75,91 @@ def shared_block(store, ids) -> bytes:
     return found[0]
 
 
+def _place(txn, store, address: bytes):
+    """``(pack file path, offset)`` of a block kept in a pack file, or None."""
+    from promptstore.format import _packs
+
+    raw = txn.get(address, db=store._db[b"places"])
+    if raw is None:
+        return None
+    pack, offset = int.from_bytes(bytes(raw[:8]), "big"), int.from_bytes(bytes(raw[8:]), "big")
+    return store.path / _packs.DIRNAME / _packs.name(pack), offset
+
+
+def _size(txn, store, address: bytes) -> int:
+    return int.from_bytes(bytes(txn.get(address, db=store._db[b"refs"]))[8:16], "big")
+
+
 def get_block(store, address: bytes):
+    """A block's bytes, from LMDB or its pack file (None: not stored)."""
     with store.env.read() as txn:
+        place = _place(txn, store, address)
+        if place is not None:
+            with open(place[0], "rb") as f:
+                f.seek(place[1])
+                return f.read(_size(txn, store, address))
         raw = txn.get(address, db=store._db[b"blocks"])
         return None if raw is None else bytes(raw)
 
 
 def set_block(store, address: bytes, data) -> None:
-    """Overwrite a block's bytes in place (its address and count unchanged); None deletes it."""
+    """Overwrite a block's bytes in place (its address and count unchanged),
+    in LMDB or in its pack file; None deletes it (the pack's bytes stay, its
+    place record goes)."""
+    with store.env.read() as txn:
+        place = _place(txn, store, address)
+    if place is not None:
+        if data is None:
+            store.env.write(lambda t: t.delete(address, db=store._db[b"places"]))
+            return
+        with open(place[0], "r+b") as f:
+            f.seek(place[1])
+            f.write(bytes(data))
+        return
     db = store._db[b"blocks"]
     if data is None:
         store.env.write(lambda t: t.delete(address, db=db))
     else:
         store.env.write(lambda t: t.put(address, bytes(data), db=db))
+
+
+def pack_file(store, address: bytes):
+    """The pack file holding a block, or None when it is an LMDB value."""
+    with store.env.read() as txn:
+        place = _place(txn, store, address)
+    return None if place is None else place[0]
+
+
+def stored_block_sizes(store) -> dict:
+    """address -> bytes of every stored block: LMDB values, and blocks in pack
+    files (checked to lie inside their file)."""
+    import os
+
+    with store.env.read() as txn:
+        stored = {bytes(k): len(v) for k, v in txn.cursor(db=store._db[b"blocks"])}
+        for k, _ in txn.cursor(db=store._db[b"places"]):
+            path, offset = _place(txn, store, bytes(k))
+            size = _size(txn, store, bytes(k))
+            assert os.path.getsize(path) >= offset + size, f"block {bytes(k).hex()} lies outside {path.name}"
+            stored[bytes(k)] = size
+    return stored
+
+
+def audit_packs(store) -> int:
+    """Every pack record's live bytes equal its placed blocks' sizes, and its
+    file exists; returns the number of packs."""
+    from promptstore.format import _packs
+
+    live: dict = {}
+    with store.env.read() as txn:
+        for k, raw in txn.cursor(db=store._db[b"places"]):
+            pack = int.from_bytes(bytes(raw[:8]), "big")
+            live[pack] = live.get(pack, 0) + _size(txn, store, bytes(k))
+        records = {int.from_bytes(bytes(k), "big"): int.from_bytes(bytes(v[:8]), "big") for k, v in txn.cursor(db=store._db[b"packs"])}
+    assert records == live, f"pack records {records} differ from the blocks placed in them {live}"
+    for pack in records:
+        assert (store.path / _packs.DIRNAME / _packs.name(pack)).exists(), f"pack {pack:016x} is recorded but missing"
+    return len(records)
 
 
 def flip_block(store, address: bytes, at: int = None, bit: int = 0x10) -> None:
@@ -113,8 +185,9 @@ def audit_blocks(store) -> int:
             for key, n in _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k))).blocks():
                 want[key] += 1
                 size[key] = n
-        stored = {bytes(k): len(v) for k, v in txn.cursor(db=store._db[b"blocks"])}
         refs = {bytes(k): bytes(v) for k, v in txn.cursor(db=store._db[b"refs"])}
+    stored = stored_block_sizes(store)
+    audit_packs(store)
     missing = set(want) - set(stored)
     assert not missing, f"{len(missing)} blocks named by entries are missing"
     assert set(stored) == set(want), f"{len(set(stored) - set(want))} blocks stored that no entry names"
@@ -135,5 +208,4 @@ def stored_bytes(store) -> int:
     with store.env.read() as txn:
         for k, raw in txn.cursor(db=store._db[b"entries"]):
             total += _entry.unpack_manifest(bytes(raw), "t").payload + len(raw)
-        total += sum(len(v) for _, v in txn.cursor(db=store._db[b"blocks"]))
-    return total
+    return total + sum(stored_block_sizes(store).values())

@@ -75,3 +75,15 @@ def store(tmp_path):
 @pytest.fixture
 def store_path(tmp_path):
     return tmp_path / "store"
+
+
+@pytest.fixture(scope="module")
+def blocks_in_lmdb():
+    """Shared blocks kept as LMDB values, never in pack files: for tests that
+    damage, plant or find blocks in the data file itself (pack files have
+    tests of their own, in test_packs.py)."""
+    from promptstore.format import _packs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_packs, "MIN_BYTES", 1 << 62)
+        yield

@@ -46,7 +46,7 @@ def test_store_round_trip(tmp_path, kind, i):
     cov = layer_coverage(layer)
     tokens = list(range(3, 3 + (cov if cov else 11)))
     with PromptStore(tmp_path / "s") as s:
-        s.put("m@test", tokens, [layer])
+        s.put("m@test", tokens, [layer], coverage=len(tokens))
     with PromptStore(tmp_path / "s") as s:
         (back,) = s.get("m@test", tokens)
     assert type(back) is type(layer)

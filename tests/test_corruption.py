@@ -191,7 +191,7 @@ def _find_all(data: bytes, needle: bytes):
     return out
 
 
-def test_flips_in_data_file(tmp_path):
+def test_flips_in_data_file(tmp_path, blocks_in_lmdb):
     """Bytes flipped in data.mdb at the offsets where value bytes live (found by
     searching the file for the values' own bytes; every copy is flipped, as an
     old copy may sit in a free page)."""

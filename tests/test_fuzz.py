@@ -38,7 +38,7 @@ CASES = {"n": 0}
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, blocks_in_lmdb):
     """Real manifests, chunks and blocks of a few entries (kv, arrays,
     rotating, quantized; the turns of two chats), in both layouts:
     ``(manifest, chunks, {block address: bytes})``."""

@@ -45,7 +45,7 @@ def test_golden_decodes(path):
 
 
 def test_every_entry_format_has_a_golden_file():
-    for fmt in (_entry.BLOB_FORMAT, _entry.BLOCKS_FORMAT):
+    for fmt in (_entry.BLOB_FORMAT, _entry.BLOCKS_FORMAT, _entry.PACKS_FORMAT):
         assert (GOLDEN / "entry-format" / f"v{fmt}.msgpack").exists(), "run fixtures/make_golden.py and commit"
 
 
@@ -101,3 +101,36 @@ def test_golden_shared_block_entries_read():
         assert len(same) >= len(short.bounds) - 1
         for (_, a), (_, b) in zip(long_.parted(), short.parted()):
             assert [a.parts[i] == b.parts[i] for i in range(len(short.bounds))] == [i in same for i in range(len(short.bounds))]
+
+
+def test_golden_pack_entries_read(tmp_path):
+    """Entries of format 4, whose shared blocks are in pack files, as written
+    when the format was introduced: every block is read from its pack and
+    checks against its address, the arrays decode, and re-encoding them gives
+    the stored arrays."""
+    import os
+
+    from promptstore.format import _payload
+    from promptstore.store._read import InFile, assemble
+
+    doc = msgpack.unpackb((GOLDEN / "entry-format" / f"v{_entry.PACKS_FORMAT}.msgpack").read_bytes(), raw=False)
+    assert doc["format"] == _entry.PACKS_FORMAT and len(doc["entries"]) >= 6 and doc["packs"]
+    fds = {}
+    for name, data in doc["packs"].items():
+        (tmp_path / name).write_bytes(data)
+        fds[name] = os.open(tmp_path / name, os.O_RDONLY)
+    try:
+        for e, entry in enumerate(doc["entries"]):
+            where = f"golden format 4 entry {e}"
+            man = _entry.unpack_manifest(entry["manifest"], where)
+            assert man.intact and man.bounds
+            places = {bytes(k): InFile(fds[pack], offset) for k, pack, offset in entry["blocks"]}
+            arrays = _payload.read_arrays(man.payload_only(), lambda i: entry["chunks"][i], where)
+            assemble(places.get, man, arrays, where)
+            for rec, stored, layer in zip(man.layers, arrays, _entry.decode_layers(man, arrays, where)):
+                enc = encode_layer(layer)
+                assert enc.kind == rec.kind and enc.meta == rec.meta
+                assert_same(dict(stored), dict(enc.arrays), where)
+    finally:
+        for fd in fds.values():
+            os.close(fd)

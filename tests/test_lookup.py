@@ -101,7 +101,7 @@ def test_exact_prefix_matches_brute_force(store):
         toks = stem[:cut] + (sample_tokens(rng.randrange(0, 300), seed=1000 + i) if rng.random() < 0.5 else [])
         if toks in stored:
             continue
-        store.put("m", toks, _tiny(len(toks), trimmable=False))
+        store.put("m", toks, _tiny(len(toks), trimmable=False), coverage=len(toks))
         stored.append(toks)
     for q in range(120):
         stem = rng.choice(stems)
@@ -115,8 +115,8 @@ def test_exact_prefix_matches_brute_force(store):
 
 def test_delete_removes_from_index(store):
     t = sample_tokens(300, seed=9)
-    store.put("m", t, _tiny(300, trimmable=False))
-    store.put("m", t[:100], _tiny(100, trimmable=False))
+    store.put("m", t, _tiny(300, trimmable=False), coverage=300)
+    store.put("m", t[:100], _tiny(100, trimmable=False), coverage=100)
     assert store.lookup("m", t + [3]).matched == 300
     assert store.delete("m", t)
     assert store.lookup("m", t + [3]).matched == 100
@@ -156,7 +156,7 @@ def test_trimmed_prefix_matches_brute_force(store):
         if any(toks == t for t, _ in stored):
             continue
         trimmable = rng.random() < 0.6
-        store.put("m", toks, _tiny(len(toks), trimmable=trimmable))
+        store.put("m", toks, _tiny(len(toks), trimmable=trimmable), coverage=len(toks))
         stored.append((toks, trimmable))
     for q in range(150):
         stem = rng.choice(stems)
@@ -175,7 +175,7 @@ def test_trimmed_prefix_matches_brute_force(store):
 
 def test_longer_recurrent_entry_does_not_hide_a_trimmable_one(store):
     base = sample_tokens(400, seed=12)
-    store.put("m", base[:260], _tiny(260, trimmable=False))  # reaches deeper, cannot trim
+    store.put("m", base[:260], _tiny(260, trimmable=False), coverage=260)  # reaches deeper, cannot trim
     store.put("m", base[:140] + [3] * 10, _tiny(150))  # shares 140 tokens, can trim
     query = base[:200]
     assert store.peek("m", query) == 140
@@ -187,8 +187,8 @@ def test_many_short_entries_under_one_node(store):
     """Hundreds of entries ending in the query's first block: probed by length, all found right."""
     base = sample_tokens(60, seed=13)
     for i in range(300):
-        store.put("m", [base[0], 600 + i] + base[2:40], _tiny(40, trimmable=False))
-    store.put("m", base[:30], _tiny(30, trimmable=False))
+        store.put("m", [base[0], 600 + i] + base[2:40], _tiny(40, trimmable=False), coverage=40)
+    store.put("m", base[:30], _tiny(30, trimmable=False), coverage=30)
     assert store.lookup("m", base).matched == 30
     assert store.lookup("m", [base[0], 600 + 299] + base[2:50]).matched == 40
     assert store.lookup("m", [base[0], 1000] + base[2:50]) is None

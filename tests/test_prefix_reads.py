@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import CacheList, ChunkedKVCache, ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from _bits import bits_equal
+from _raw import flip_block
 from conftest import greedy, load_fixture, sample_tokens
 from promptstore import PromptStore
 from promptstore.jobs.prefill import prefill
@@ -45,14 +46,7 @@ def block_damage(store: PromptStore, tokens, index: int) -> None:
     """Flip one byte in the ``index``-th block of the entry at ``tokens``."""
     with store.env.read() as txn:
         man = store._manifest(txn, _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens)))
-    key = man.layers[0].arrays[0].parts[index]
-
-    def write(txn):
-        raw = bytearray(txn.get(key, db=store._db.blocks))
-        raw[len(raw) // 2] ^= 0x40
-        txn.put(key, bytes(raw), db=store._db.blocks)
-
-    store.env.write(write)
+    flip_block(store, man.layers[0].arrays[0].parts[index], bit=0x40)
 
 
 @pytest.mark.parametrize(

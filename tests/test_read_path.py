@@ -173,7 +173,7 @@ def test_an_entry_with_a_small_last_chunk_is_not_remembered(tmp_path):
     layer = ArraysCache(size=1)
     layer[0] = arrays.reshape(1, -1)
     with PromptStore(tmp_path / "s") as store:
-        info = store.put(MODEL, [1, 2, 3], [layer])
+        info = store.put(MODEL, [1, 2, 3], [layer], coverage=3)
         assert info.nbytes % _entry.CHUNK < 4096 and info.nbytes >= _pages.MIN_PAYLOAD
         restored = store.get(MODEL, [1, 2, 3])
         assert bits_equal(restored[0][0], layer[0]).item()

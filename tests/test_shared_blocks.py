@@ -19,6 +19,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from _bits import bits_equal
+from _raw import flip_block, stored_block_sizes
 from _workers import MODEL, _drain, _say, same_cache
 from conftest import load_fixture, sample_tokens
 from promptstore import PromptStore, UnsupportedVersion, salvage
@@ -35,8 +36,7 @@ def kv_bytes(cache) -> int:
 
 
 def block_bytes(store) -> int:
-    with store.env.read() as txn:
-        return sum(len(v) for _, v in txn.cursor(db=store._db.blocks))
+    return sum(stored_block_sizes(store).values())
 
 
 def manifest(store, tokens):
@@ -153,14 +153,9 @@ def _flip_block(store, at: int = 0):
     """Flip a byte of a block that more than one entry references."""
     from promptstore.store import _budget
 
-    def write(txn):
+    with store.env.read() as txn:
         key = next(bytes(k) for k, v in txn.cursor(db=store._db.refs) if _budget.ref_count(v) > 1)
-        raw = txn.get(key, db=store._db.blocks)
-        raw = bytearray(raw)
-        raw[at] ^= 0x40
-        txn.put(bytes(key), bytes(raw), db=store._db.blocks)
-
-    store.env.write(write)
+    flip_block(store, key, at, 0x40)
 
 
 def test_a_damaged_block_is_detected_and_a_wrong_count_repaired(tmp_path, chat):

@@ -56,7 +56,7 @@ def test_compact_rewrites_an_old_store_into_shared_blocks(tmp_path):
     infos = [old.put(MODEL, tokens[: (t + 1) * 300], c, meta={"turn": t}) for t, c in enumerate(caches)]
     rec = ArraysCache(2)
     rec[0], rec[1] = mx.ones((1, 3, 4)), mx.zeros((1, 8))
-    old.put(MODEL, [7, 7, 7], [rec])  # nothing to share: stays as it is
+    old.put(MODEL, [7, 7, 7], [rec], coverage=3)  # nothing to share: stays as it is
     old.pin(infos[2].id)
     # A big entry too, so the blob-file layout (format 2) is upgraded as well.
     big = chat_caches(1, 17000)[0]

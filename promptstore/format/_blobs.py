@@ -38,7 +38,7 @@ import mmap
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from promptstore.format import _entry, _fill, _pages, _payload
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
@@ -97,11 +97,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 class Blobs:
-    """The blob files of one store (``<store>/blobs``)."""
+    """The blob files of one store (``<store>/blobs``); with other arguments,
+    another directory of files written the same way (``format._packs``)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, dirname: str = DIRNAME, is_name: Callable[[str], bool] = _entry._blob_name, what: str = "blob file"):
         self.root = root
-        self.dir = root / DIRNAME
+        self.dir = root / dirname
+        self._is_name = is_name
+        self.what = what
 
     def path(self, name: str) -> Path:
         return self.dir / name
@@ -147,8 +150,8 @@ class Blobs:
         elif err.errno == errno.ENOSPC:
             why = "no room left on the disk"
         else:
-            return StoreError(f"{self.dir}: cannot {what} a blob file ({err}); nothing was written")
-        return StoreFull(f"{self.dir}: cannot {what} a blob file: {why}; nothing was written; free space or run `promptstore gc`")
+            return StoreError(f"{self.dir}: cannot {what} a {self.what} ({err}); nothing was written")
+        return StoreFull(f"{self.dir}: cannot {what} a {self.what}: {why}; nothing was written; free space or run `promptstore gc`")
 
     def copy_in(self, src: Path, name: str) -> None:
         """Copy the blob file ``src`` (of another store) in as ``name``, durably."""
@@ -176,20 +179,20 @@ class Blobs:
         except FileNotFoundError:
             pass
         except OSError as err:
-            log.warning("promptstore: cannot remove blob file %s (%s); `promptstore gc` retries", self.path(name), err)
+            log.warning("promptstore: cannot remove %s %s (%s); `promptstore gc` retries", self.what, self.path(name), err)
 
     def names(self) -> List[str]:
-        """The blob files present. Raises StoreError when the directory cannot be
+        """The files present. Raises StoreError when the directory cannot be
         listed (never an empty answer then: gc must not take it for empty)."""
         try:
-            return [n for n in os.listdir(self.dir) if _entry._blob_name(n)]
+            return [n for n in os.listdir(self.dir) if self._is_name(n)]
         except FileNotFoundError:
             return []
         except OSError as err:
-            raise StoreError(f"{self.dir}: cannot list blob files ({err}); check that it is a directory this user can read") from err
+            raise StoreError(f"{self.dir}: cannot list {self.what}s ({err}); check that it is a directory this user can read") from err
 
     def nbytes(self) -> int:
-        """Bytes the blob files take (their sizes)."""
+        """Bytes the files take (their sizes)."""
         total = 0
         for name in self.names():
             try:

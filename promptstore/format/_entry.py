@@ -28,9 +28,10 @@ from promptstore.format._blocks import ADDRESS
 from promptstore.codecs import codec_for_kind, decode_layer
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
 
-FORMAT = 3  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file,
-BLOB_FORMAT = 2  # 3 also references shared blocks (its payload in LMDB or a blob file)
-BLOCKS_FORMAT = 3
+FORMAT = 4  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file,
+BLOB_FORMAT = 2  # 3 also references shared blocks (its payload in LMDB or a blob file), kept in LMDB;
+BLOCKS_FORMAT = 3  # 4 is 3 whose blocks may be in pack files (``format._packs``)
+PACKS_FORMAT = 4
 BLOB_SUFFIX = ".blob"
 CHUNK = 4 * 1024 * 1024 - 16
 MAX_MANIFEST = 64 * 1024 * 1024
@@ -182,9 +183,10 @@ def pack_manifest(
 ) -> bytes:
     doc = {
         # An entry in LMDB stays format 1, which older readers read; a blob
-        # entry is format 2 and one with shared blocks format 3, which they
-        # refuse (fail closed) instead of reporting missing bytes as damage.
-        "format": BLOCKS_FORMAT if bounds else (1 if blob is None else BLOB_FORMAT),
+        # entry is format 2 and one with shared blocks format 4 (its blocks
+        # may be in pack files), which they refuse (fail closed) instead of
+        # reporting missing bytes as damage.
+        "format": PACKS_FORMAT if bounds else (1 if blob is None else BLOB_FORMAT),
         "model": model,
         "model_name": model_name,
         "tokens": tokens_bytes(tokens),
@@ -265,7 +267,7 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
     if fmt < 1:
         raise CorruptEntry(f"{where}: entry format {fmt} is invalid")
     blob = None
-    if fmt == BLOB_FORMAT or (fmt == BLOCKS_FORMAT and "blob" in doc):
+    if fmt == BLOB_FORMAT or (fmt >= BLOCKS_FORMAT and "blob" in doc):
         blob = _field(doc, "blob", str, where)
         if not _blob_name(blob):
             raise CorruptEntry(f"{where}: manifest names blob file {blob[:80]!r}, which is not a blob name")
@@ -339,8 +341,8 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
 
 
 def _bounds(doc: dict, fmt: int, n_tokens: int, where: str) -> Tuple[int, ...]:
-    """The block ends of a format-3 manifest: strictly increasing, ending at the token count."""
-    if fmt != BLOCKS_FORMAT:
+    """The block ends of a format-3 or -4 manifest: strictly increasing, ending at the token count."""
+    if fmt < BLOCKS_FORMAT:
         if "bounds" in doc:
             raise CorruptEntry(f"{where}: a format {fmt} manifest has block bounds")
         return ()

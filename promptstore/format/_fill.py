@@ -196,6 +196,23 @@ def read_hashed(fd: int, rows: Sequence[memoryview], offset: int, head: bytes) -
         lib.XXH3_freeState(state)
 
 
+def read_into(fd: int, rows: Sequence[memoryview], offset: int) -> None:
+    """Read consecutive file bytes from ``offset`` into ``rows``, unhashed
+    (where :func:`read_hashed` cannot run).
+
+    Raises:
+        ShortRead: the file ends first.
+    """
+    for row in rows:
+        got = 0
+        while got < len(row):
+            r = os.preadv(fd, [row[got:]], offset + got)
+            if r <= 0:
+                raise ShortRead(offset + got, len(row) - got)
+            got += r
+        offset += len(row)
+
+
 def _read_piecewise(fd: int, view: memoryview, addr: int, pos: int, offset: int, length: int, update: Any, state: int) -> int:
     """Read file bytes ``[offset, offset + length)`` into ``view[pos:]``
     (whose memory starts at ``addr``), ``PIECE`` bytes at a time, hashing
@@ -281,6 +298,11 @@ def resident(host: np.ndarray) -> bool:
         return True
     present = np.empty((hi - lo) // _pages._PAGE, dtype=np.uint8)
     return _pages._libc.mincore(lo, hi - lo, present.ctypes.data) == 0 and bool(np.bitwise_and(present, 1).all())
+
+
+def populate(host: np.ndarray) -> None:
+    """Fault in the pages of a fresh destination ``host`` in one call (see :func:`_populate`)."""
+    _populate(host.ctypes.data, host.nbytes)
 
 
 def _populate(addr: int, n: int) -> None:

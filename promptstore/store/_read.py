@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,10 @@ import numpy as np
 
 from promptstore.codecs import readable_codec
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreError
-from promptstore.format import _blank, _blobs, _blocks, _entry, _fill, _pages, _payload
+from promptstore.format import _blank, _blobs, _blocks, _entry, _fill, _packs, _pages, _payload
 from promptstore.store import _keys
 from promptstore.store._env import Env
-from promptstore.store._schema import Tables, chunk_key
+from promptstore.store._schema import PLACES, Tables, chunk_key, parse_pair
 
 log = logging.getLogger("promptstore")
 T = TypeVar("T")
@@ -50,11 +51,12 @@ _SMALL = 1 << 20  # shared arrays of fewer bytes are assembled in numpy, then co
 class Reader:
     """Reads manifests and payloads of one store."""
 
-    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs):
+    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs, packs: _packs.Packs):
         self.path = path
         self._env = env
         self._db = tables
         self._blobs = blobs
+        self._packs = packs
 
     def manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
         """The manifest at ``ekey``, or None.
@@ -116,13 +118,29 @@ class Reader:
         return _entry.decode_layers(man, arrays, where)
 
     def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str, large: bool) -> None:
-        blocks = self._db.blocks
-        if not large:  # a few small blocks: copied out of the map here (threads, offsets and madvise cost more)
-            assemble(lambda key: txn.get(key, db=blocks), man, arrays, where)
-            return
-        data = self._env.data_file()
-        fd = data.fd if _fill.available_128() else None
-        assemble(lambda key: txn.get(key, db=blocks), man, arrays, where, data.release, data.offset if fd is not None else None, fd)
+        db = self._db
+        places = db.get(PLACES)
+        fds: Dict[int, int] = {}
+
+        def find(key: bytes) -> Any:
+            place = parse_pair(txn.get(key, db=places)) if places is not None else None
+            if place is None:
+                return txn.get(key, db=db.blocks)
+            pack, offset = place
+            if pack not in fds:
+                fds[pack] = self._packs.open(pack, where)
+            return InFile(fds[pack], offset)
+
+        try:
+            if not large:  # a few small blocks: copied out of the map here (threads, offsets and madvise cost more)
+                assemble(find, man, arrays, where)
+                return
+            data = self._env.data_file()
+            fd = data.fd if _fill.available_128() else None
+            assemble(find, man, arrays, where, data.release, data.offset if fd is not None else None, fd, threads=True)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def _payload(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool, large: bool) -> List[Dict[str, Any]]:
         if man.blob is not None:
@@ -175,26 +193,36 @@ class Reader:
         return arrays
 
 
+@dataclass(frozen=True)
+class InFile:
+    """Where a block stored outside LMDB is: a file and the offset of its bytes."""
+
+    fd: int
+    offset: int
+
+
 def assemble(
-    get_block: Callable[[bytes], Any],
+    find_block: Callable[[bytes], Any],
     man: _entry.Manifest,
     arrays: List[Dict[str, Any]],
     where: str,
     release: Optional[Callable[[Any], None]] = None,
     offset: Optional[Callable[[Any], Optional[int]]] = None,
     fd: Optional[int] = None,
+    threads: bool = False,
 ) -> None:
     """Fill in ``arrays`` (per layer, as the payload readers return them) the
-    arrays ``man`` keeps in shared blocks: each block, from ``get_block(address)``
-    (None: missing), is checked against its address and copied once, into a
-    fresh mlx buffer.
+    arrays ``man`` keeps in shared blocks: each block is checked against its
+    address and copied once, into a fresh mlx buffer.
 
-    With ``fd`` and ``offset`` (a block buffer's offset in that file, None
-    when unknown), blocks are read with ``preadv`` straight into their rows of
-    the destination on the fill threads, and checked there, without touching
-    the mapping (as ``_Reader._read_large`` reads large payloads); otherwise
-    each is copied out of the map and ``release(buf)`` drops its pages from
-    the process's mapping (fetching a value maps all of its pages).
+    ``find_block(address)`` says where a block is: an LMDB value, an
+    :class:`InFile` (a pack file), or None (missing). Blocks in files are
+    read with ``preadv`` straight into their rows of the destination and
+    hashed as they are read; so are LMDB values when ``fd`` (the data file)
+    and ``offset`` (a value's offset in it, None when unknown) are given.
+    The rest are copied out of the map, and ``release(buf)`` drops their
+    pages from the process's mapping (fetching a value maps all of its
+    pages). ``threads``: read files on the two fill threads.
 
     Raises:
         CorruptEntry: a block is missing or damaged.
@@ -207,14 +235,15 @@ def assemble(
         size = _entry.DTYPES[rec.dtype].size
         raws, start = [], 0
         for key, end in zip(rec.parts or (), man.bounds):
-            raw = get_block(key)
+            raw = find_block(key)
             if raw is None:
                 raise CorruptEntry(f"{where}: layer {li} array {rec.name!r}: block {key.hex()} is missing")
             shape = _blocks.block_shape(rec.shape, start, end)
-            if len(raw) != math.prod(shape) * size:
-                raise CorruptEntry(f"{where}: block {key.hex()} has {len(raw)} bytes, expected shape {shape} {rec.dtype}")
-            if release is not None:  # finding a value maps the pages around its first one: drop them at once
-                release(raw)
+            if not isinstance(raw, InFile):  # a file's block is checked as it is read (size included)
+                if len(raw) != math.prod(shape) * size:
+                    raise CorruptEntry(f"{where}: block {key.hex()} has {len(raw)} bytes, expected shape {shape} {rec.dtype}")
+                if release is not None:  # finding a value maps the pages around its first one: drop them at once
+                    release(raw)
             raws.append(raw)
             start = end
         found.append(raws)
@@ -222,25 +251,29 @@ def assemble(
     # A small restore fills numpy buffers and copies them into mlx at the end:
     # mlx's loader (_blank) costs more than copying a few hundred kB again.
     dests: List[Any] = [np.empty(rec.nbytes, np.uint8) for _, rec in parted] if small else _blank.blank([rec.nbytes for _, rec in parted])
-    tasks: List[_Block] = []
+    groups: List[Tuple[np.ndarray, List[_Block]]] = []
     for i, ((li, rec), raws) in enumerate(zip(parted, found)):
         layer = man.layers[li]
         size = _entry.DTYPES[rec.dtype].size
-        rows = np.asarray(dests[i]).reshape(-1, rec.shape[-2], rec.shape[-1] * size)
+        whole = np.asarray(dests[i])
+        rows = whole.reshape(-1, rec.shape[-2], rec.shape[-1] * size)
+        from_files: List[_Block] = []
+        groups.append((whole, from_files))
         start = 0
         for key, end, raw in zip(rec.parts or (), man.bounds, raws):
-            shape = _blocks.block_shape(rec.shape, start, end)
-            tasks.append(_Block(key, layer.kind, layer.version, rec.dtype, shape, size, raw, rows[:, start:end, :]))
+            t = _Block(key, layer.kind, layer.version, rec.dtype, _blocks.block_shape(rec.shape, start, end), size, raw, rows[:, start:end, :])
             start = end
-    located = [offset(t.raw) for t in tasks] if offset is not None and fd is not None else None
-    if fd is not None and located is not None and all(o is not None for o in located):
-        _read_blocks(fd, tasks, [o for o in located if o is not None], where)
-    else:
-        for t in tasks:
+            at = offset(raw) if offset is not None and fd is not None and not isinstance(raw, InFile) else None
+            if isinstance(raw, InFile) or at is not None:
+                from_files.append(t)
+                t.file = raw if isinstance(raw, InFile) else InFile(fd, at)  # type: ignore[arg-type]
+                continue
             _blocks.check(t.key, t.kind, t.version, t.dtype, t.shape, t.itemsize, t.raw, where)
             t.rows[...] = np.frombuffer(t.raw, dtype=np.uint8).reshape(t.rows.shape)
             if release is not None:
                 release(t.raw)
+    if any(tasks for _, tasks in groups):
+        _read_blocks([g for g in groups if g[1]], where, threads)
     for (li, rec), dest in zip(parted, dests):
         arr = mx.array(dest) if small else dest
         arrays[li][rec.name] = arr.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
@@ -248,8 +281,8 @@ def assemble(
 
 @dataclass
 class _Block:
-    """One block to read: its address, what it holds, its buffer in the map
-    (not touched on the file path) and its rows of the destination."""
+    """One block to read: its address, what it holds, where it is (a buffer
+    in the map, or a file) and its rows of the destination."""
 
     key: bytes
     kind: str
@@ -259,40 +292,61 @@ class _Block:
     itemsize: int
     raw: Any
     rows: np.ndarray  # [rows, tokens, width] bytes, each row contiguous
+    file: Optional[InFile] = None
 
 
-def _read_blocks(fd: int, tasks: Sequence[_Block], offsets: Sequence[int], where: str) -> None:
-    """Read each block into its destination rows, hashing it a piece at a
-    time as it is read (``_fill.read_hashed``), and check it against its
-    address, on the fill threads (two lanes balanced by bytes)."""
-    lanes: List[List[int]] = [[], []]
-    loads = [0, 0]
-    for k in sorted(range(len(tasks)), key=lambda k: -tasks[k].rows.nbytes):
-        light = loads.index(min(loads))
-        lanes[light].append(k)
-        loads[light] += tasks[k].rows.nbytes
+def _read_one(t: _Block) -> Optional[str]:
+    """Read block ``t`` from its file into its rows and check it; an error message, or None."""
+    assert t.file is not None
+    views = [row.reshape(-1).data for row in t.rows]
+    head = _blocks.header(t.kind, t.version, t.dtype, t.shape)
+    try:
+        if _fill.available_128():  # read and hash each piece while it is in the CPU cache
+            digest = _fill.read_hashed(t.file.fd, views, t.file.offset, head)
+        else:
+            _fill.read_into(t.file.fd, views, t.file.offset)
+            digest = _blocks.address(t.kind, t.version, t.dtype, t.shape, t.rows)
+    except _fill.ShortRead:
+        return f"the file ends inside block {t.key.hex()}"
+    if digest != t.key:
+        return f"block {t.key.hex()} does not match its address (its bytes are damaged)"
+    return None
 
-    def run(lane: List[int]) -> Optional[str]:
-        for k in lane:
-            t, off = tasks[k], offsets[k]
-            views = [row.reshape(-1).data for row in t.rows]
-            try:  # read and hash each piece while it is in the CPU cache
-                digest = _fill.read_hashed(fd, views, off, _blocks.header(t.kind, t.version, t.dtype, t.shape))
-            except _fill.ShortRead:
-                return f"the data file ends inside block {t.key.hex()}"
-            if digest != t.key:
-                return f"block {t.key.hex()} does not match its address (its bytes are damaged)"
+
+def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, threads: bool) -> None:
+    """Read each block from its file into its destination rows and check it
+    against its address (``_read_one``). ``groups``: each destination (its
+    bytes) with its blocks read from files; a destination not yet resident
+    is populated first, in one call (as ``_fill`` does for payloads). With
+    ``threads``, on the fill threads (two lanes balanced by bytes)."""
+
+    fresh = {id(dest) for dest, _ in groups if threads and not _fill.resident(dest)}  # mincore here, not on the threads
+
+    def run(lane: Sequence[Tuple[np.ndarray, List[_Block]]]) -> Optional[str]:
+        for dest, tasks in lane:
+            if id(dest) in fresh:
+                _fill.populate(dest)
+            for t in tasks:
+                err = _read_one(t)
+                if err is not None:
+                    return err
         return None
 
-    futures = [_fill.submit(run, lane) for lane in lanes if lane]
-    wait(futures)  # no thread may still write into the destination when this returns or raises
-    errors = []
-    for f in futures:
-        try:
-            err = f.result()
-        except OSError as exc:
-            raise StoreError(f"{where}: reading the data file failed: {exc}") from exc
+    try:
+        if not threads:
+            errors = [run(groups)]
+        else:
+            lanes: List[List[Tuple[np.ndarray, List[_Block]]]] = [[], []]
+            loads = [0, 0]
+            for g in sorted(groups, key=lambda g: -g[0].nbytes):
+                light = loads.index(min(loads))
+                lanes[light].append(g)
+                loads[light] += g[0].nbytes
+            futures = [_fill.submit(run, lane) for lane in lanes if lane]
+            wait(futures)  # no thread may still write into the destination when this returns or raises
+            errors = [f.result() for f in futures]
+    except OSError as exc:
+        raise StoreError(f"{where}: reading a block failed: {exc}") from exc
+    for err in errors:
         if err is not None:
-            errors.append(err)
-    if errors:
-        raise CorruptEntry(f"{where}: {errors[0]}")
+            raise CorruptEntry(f"{where}: {err}")

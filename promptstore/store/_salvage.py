@@ -19,13 +19,14 @@ from typing import Any, Dict, List, Set, Tuple
 import lmdb
 
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
-from promptstore.format import _blobs, _entry, _payload
+from promptstore.format import _blobs, _entry, _packs, _payload
 from promptstore.store import _budget, _keys
 from promptstore.store._env import Env, live_dir, pages_needed
 from promptstore.store._read import assemble
 from promptstore.store._results import SalvageReport
 from promptstore.store._schema import (
-    BLOCKS, CHUNKS, DUPSORT, ENTRIES, ENTRY_KEY, IDS, PINS, SIZES, TABLES, USED, Tables, chunk_key, owner_of_chunk,
+    BLOCKS, CHUNKS, DUPSORT, ENTRIES, ENTRY_KEY, IDS, PINS, PLACES, SIZES, TABLES, USED, Tables, chunk_key, owner_of_chunk,
+    parse_pair,
 )
 from promptstore.store._usage import Usage
 from promptstore.store._write import EntryWriter
@@ -109,9 +110,15 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
             chunks = [txn.get(chunk_key(ekey, i), db=dbs.chunks) for i in range(man.chunks)]
             arrays = _payload.read_arrays(own, lambda i: chunks[i], where)
         blocks: Dict[bytes, bytes] = {}
+        packs = _packs.Packs(src)
+        sizes = dict(man.blocks())
 
         def block(key: bytes) -> Any:
-            found = txn.get(key, db=dbs.blocks) if BLOCKS in dbs else None
+            place = parse_pair(txn.get(key, db=dbs.places)) if PLACES in dbs else None
+            if place is not None:  # a pack's block: read here, checked by assemble
+                found: Any = packs.read(place[0], place[1], sizes[key], where)
+            else:
+                found = txn.get(key, db=dbs.blocks) if BLOCKS in dbs else None
             if found is not None:
                 blocks[key] = bytes(found)
             return found
@@ -159,7 +166,8 @@ def salvage(src, dst) -> SalvageReport:
         try:
             out.check_format()
             blobs, src_blobs = _blobs.Blobs(dst), _blobs.Blobs(src)
-            writer = EntryWriter(dst, out, out.db, blobs, Usage(out.db))
+            packs = _packs.Packs(dst)
+            writer = EntryWriter(dst, out, out.db, blobs, packs, Usage(out.db))
             for ekey in ekeys:
                 eid = _keys.entry_id(ekey)
                 try:
@@ -168,13 +176,17 @@ def salvage(src, dst) -> SalvageReport:
                     skipped.append((eid, f"{type(err).__name__}: {err}"))
                     continue
 
-                refs = [(key, lambda data=blocks[key]: data, size) for key, size in man.blocks()]
+                refs = [(key, blocks[key], size) for key, size in man.blocks()]
+                packed: List[int] = []
 
-                def write(txn, ekey=ekey, raw=raw, man=man, chunks=chunks, used=used, pinned=pinned, refs=refs) -> None:
+                def write(txn, ekey=ekey, raw=raw, man=man, chunks=chunks, used=used, pinned=pinned, refs=refs, packed=packed) -> None:
+                    for pack in packed:  # a retried transaction writes its pack again
+                        packs.unlink(pack)
+                    packed.clear()
                     if man.blob is not None and not blobs.path(man.blob).exists():
                         blobs.copy_in(src_blobs.path(man.blob), man.blob)  # under the writer lock, as a put
                     stamp = used if used is not None and len(used) == 8 else None
-                    writer.add(txn, ekey, man.tokens, man.trimmable, raw, chunks, stamp, man.payload + len(raw), pinned, evict=False, blocks=refs)
+                    writer.add(txn, ekey, man.tokens, man.trimmable, raw, chunks, stamp, man.payload + len(raw), pinned, evict=False, blocks=refs, packs=packed)
 
                 out.write(write)
                 copied.append(eid)

@@ -18,6 +18,8 @@ pins        entry key                                  empty: present when pinne
 sizes       entry key                                  u64 bytes the entry accounts for
 blocks      block address (16 bytes, see format._blocks)  a shared block's bytes
 refs        block address                              u64 references from manifests, u64 block bytes
+places      block address                              u64 pack number, u64 offset: a block in a pack file
+packs       u64 pack number                            u64 bytes of its blocks still referenced, u64 file bytes
 ==========  =========================================  ==============================================
 
 Key layouts (all integers big-endian, so keys sort by number):
@@ -30,7 +32,10 @@ Key layouts (all integers big-endian, so keys sort by number):
 A block is stored once and counted in ``refs`` once per reference from a
 manifest (an array of an entry names one block per token range); the count
 is changed in the transaction that writes or removes the manifest, and a
-block whose count reaches zero is removed with it. ``sizes`` counts an
+block whose count reaches zero is removed with it. A block is a ``blocks``
+value, or, when ``places`` names one, bytes of a pack file
+(``format._packs``); a pack is unlinked once the commit that dropped its
+last referenced block is done. ``sizes`` counts an
 entry's own bytes (payload and manifest); ``info[usage]`` adds every stored
 block once.
 
@@ -60,9 +65,11 @@ PINS = b"pins"
 SIZES = b"sizes"
 BLOCKS = b"blocks"
 REFS = b"refs"
-TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES, BLOCKS, REFS)
+PLACES = b"places"
+PACKS = b"packs"
+TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES, BLOCKS, REFS, PLACES, PACKS)
 DUPSORT = frozenset({ENDS, SEGS})
-OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS})  # absent from stores older than them; opened read-only, they may be missing
+OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS, PLACES, PACKS})  # absent from stores older than them; opened read-only, they may be missing
 
 # Keys of the ``info`` table.
 FORMAT_KEY = b"format"
@@ -104,6 +111,19 @@ def end_value(n: int, h: int, ekey: bytes) -> bytes:
 def parse_end(value: bytes) -> Tuple[int, int, bytes]:
     """``(n, h, ekey)`` of an end record."""
     return U32.unpack(value[:4])[0], U64.unpack(value[4:12])[0], bytes(value[12:])
+
+
+def pair(a: int, b: int) -> bytes:
+    """Two u64: a ``places`` value (pack, offset) or a ``packs`` value (live bytes, file bytes)."""
+    return U64.pack(a) + U64.pack(b)
+
+
+def parse_pair(raw: Any) -> Optional[Tuple[int, int]]:
+    """The two u64 of a ``places`` or ``packs`` value; None when absent or damaged."""
+    if raw is None or len(raw) != 16:
+        return None
+    raw = bytes(raw)
+    return U64.unpack(raw[:8])[0], U64.unpack(raw[8:])[0]
 
 
 def u64_or(raw: Any, default: int = 0) -> int:
@@ -155,3 +175,5 @@ class Tables:
     sizes = property(lambda self: self._handles[SIZES])
     blocks = property(lambda self: self._handles[BLOCKS])
     refs = property(lambda self: self._handles[REFS])
+    places = property(lambda self: self._handles[PLACES])
+    packs = property(lambda self: self._handles[PACKS])

@@ -30,7 +30,7 @@ from promptstore.errors import (
     UnknownStorageKind,
     UnsupportedVersion,
 )
-from promptstore.format import _blobs, _blocks, _entry
+from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
 from promptstore.store import _index, _keys
 from promptstore.store._capacity import Capacity
@@ -92,13 +92,14 @@ class PromptStore:
         env.check_format()
         tables = env.db
         self._blobs = _blobs.Blobs(self.path)
+        self._packs = _packs.Packs(self.path)
         self._usage = Usage(tables)
-        self._reader = Reader(self.path, env, tables, self._blobs)
+        self._reader = Reader(self.path, env, tables, self._blobs, self._packs)
         if shared_blocks is None:
             shared_blocks = os.environ.get("PROMPTSTORE_SHARED_BLOCKS", "1") != "0"
-        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._usage, shared_blocks, block_tokens)
+        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._packs, self._usage, shared_blocks, block_tokens)
         self._catalog = Catalog(self.path, tables, self._usage)
-        self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._reader, self._writer)
+        self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._packs, self._reader, self._writer)
         self._capacity = Capacity(self.path, env, tables, self._usage, self._catalog, self._writer, self._maintenance)
         if budget is not None:
             self.set_budget(budget)
@@ -165,7 +166,8 @@ class PromptStore:
 
     # -- writing -------------------------------------------------------------
 
-    def put(self, model: str, tokens: _keys.Tokens, cache: Sequence[Any], meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
+    def put(self, model: str, tokens: _keys.Tokens, cache: Sequence[Any], meta: Optional[Dict[str, Any]] = None,
+            *, coverage: Optional[int] = None) -> EntryInfo:
         """Store ``cache`` as the prompt cache of ``tokens`` under ``model``.
 
         Args:
@@ -174,13 +176,19 @@ class PromptStore:
             tokens: the token ids the cache covers, exactly.
             cache: the per-layer cache objects (``make_prompt_cache(model)``).
             meta: optional user metadata (msgpack-serialisable values).
+            coverage: the tokens the cache has absorbed, as the caller knows
+                it (it prefilled the cache). Required when no layer reports
+                its coverage (e.g. every layer an ``arrays`` state); checked
+                against ``len(tokens)`` whenever given.
 
         Returns:
             The stored entry's EntryInfo. An existing entry for the same model
             and tokens is replaced.
 
         Raises:
-            CoverageMismatch: a layer covers another number of tokens.
+            CoverageMismatch: a layer covers another number of tokens, or no
+                layer reports coverage and ``coverage`` was not given, or
+                ``coverage`` differs from ``len(tokens)``.
             UnknownStorageKind: a layer's class has no codec.
             InvalidInput: bad model id, tokens or meta.
             StoreFull: disk or map full; nothing was written.
@@ -191,13 +199,22 @@ class PromptStore:
         if not layers:
             raise InvalidInput("cache has no layers")
         n = len(toks)
+        if coverage is not None and coverage != n:
+            raise CoverageMismatch(f"the cache covers {coverage} tokens but {n} tokens were given")
+        reported = False
         for i, layer in enumerate(layers):
             cov = codec_for_layer(layer).coverage(layer)
+            reported = reported or cov is not None
             if cov is not None and cov != n:
                 raise CoverageMismatch(
                     f"layer {i} ({storage_kind(layer)}) covers {cov} tokens but {n} tokens were given; "
                     "pass exactly the tokens the cache has absorbed"
                 )
+        if not reported and coverage is None:
+            raise CoverageMismatch(
+                "no layer of this cache reports how many tokens it covers, so the tokens cannot be "
+                "checked: pass coverage=len(tokens) when you know it (you prefilled the cache)"
+            )
         if meta is not None and not isinstance(meta, dict):
             raise InvalidInput("meta must be a dict")
         encoded = [encode_layer(layer) for layer in layers]
@@ -480,8 +497,9 @@ class PromptStore:
 
     def file_size(self) -> int:
         """Bytes the store's files take: the LMDB data file (it never shrinks
-        by itself) and the blob files of large entries."""
-        return (self.env.dir / "data.mdb").stat().st_size + self._blobs.nbytes()
+        by itself), the blob files of large entries and the pack files of
+        shared blocks."""
+        return (self.env.dir / "data.mdb").stat().st_size + self._blobs.nbytes() + self._packs.nbytes()
 
     def verify(self, fix: bool = False) -> VerifyReport:
         """Check every manifest and checksum; with ``fix``, delete what is broken.
@@ -565,7 +583,8 @@ class PromptStore:
         return self._capacity.pinned()
 
     def compact(self, upgrade: bool = True) -> Tuple[int, int]:
-        """Rewrite the data file without its free pages: ``(bytes before, after)``.
+        """Rewrite the data file without its free pages: ``(bytes before,
+        after)`` of the store's files (:meth:`file_size`).
 
         With ``upgrade`` (and shared blocks on), entries of the older layouts
         are first rewritten into shared blocks (:meth:`upgrade`).
@@ -580,7 +599,9 @@ class PromptStore:
         if upgrade:
             self.upgrade()
         self.flush()
-        return self.env.compact()
+        others = self._blobs.nbytes() + self._packs.nbytes()
+        before, after = self.env.compact()
+        return before + others, after + others
 
     def upgrade(self) -> int:
         """Rewrite entries of the older layouts (entry formats 1 and 2) whose

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError, UnknownStorageKind, UnsupportedVersion
-from promptstore.format import _blobs, _entry
+from promptstore.format import _blobs, _entry, _packs
 from promptstore.store import _budget, _index, _keys
 from promptstore.store._env import Env
 from promptstore.store._read import Reader
 from promptstore.store._results import VerifyReport
-from promptstore.store._schema import Tables, model_of, owner_of_chunk
+from promptstore.store._schema import PACKS, PLACES, U64, Tables, model_of, owner_of_chunk, pair, parse_pair
 from promptstore.store._write import EntryWriter
 
 
 class Maintenance:
     """Checks and repairs of one store."""
 
-    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs, reader: Reader, writer: EntryWriter):
+    def __init__(self, path: Path, env: Env, tables: Tables, blobs: _blobs.Blobs, packs: _packs.Packs, reader: Reader, writer: EntryWriter):
         self.path = path
         self._env = env
         self._db = tables
         self._blobs = blobs
+        self._packs = packs
         self._reader = reader
         self._writer = writer
 
@@ -41,7 +43,7 @@ class Maintenance:
             orphans = [
                 bytes(k) for k in txn.cursor(db=db.chunks).iternext(keys=True, values=False) if owner_of_chunk(bytes(k)) not in known
             ]
-            stray = self.stray_blobs(txn)
+            stray = self.stray_blobs(txn) + [_packs.name(p) for p in self.stray_packs(txn)]
             counts = self._counts(txn)
         checked = 0
         for ekey in keys:
@@ -92,7 +94,7 @@ class Maintenance:
         want, unreadable = self._references(txn)
         db = self._db
         have = {bytes(k): _budget.ref_count(v) for k, v in txn.cursor(db=db.refs)}
-        stored = {bytes(k) for k in txn.cursor(db=db.blocks).iternext(keys=True, values=False)}
+        stored = self._stored(txn)
         wrong = sorted(k for k in set(want) | set(have) if want.get(k, 0) != have.get(k, 0) and (want.get(k, 0) or not unreadable))
         orphans = sorted(k for k in stored if k not in want) if not unreadable else []
         return _Counts(wrong, orphans)
@@ -120,7 +122,8 @@ class Maintenance:
         stored keeps its count at zero: its entries read as damaged."""
         db = self._db
         want, unreadable = self._references(txn)
-        stored = {bytes(k) for k in txn.cursor(db=db.blocks).iternext(keys=True, values=False)}
+        stored = self._stored(txn)
+        sizes = dict(self._sizes(txn))
         for key in [bytes(k) for k in txn.cursor(db=db.refs).iternext(keys=True, values=False)]:
             if key not in want and not unreadable:
                 txn.delete(key, db=db.refs)
@@ -129,13 +132,51 @@ class Maintenance:
                 txn.delete(key, db=db.refs)
                 continue
             size = _budget.ref_size(txn.get(key, db=db.refs))  # a block's size is in its refs record,
-            if not size:  # unless that record is missing or damaged: then read the block
-                size = len(txn.get(key, db=db.blocks))
+            if not size:  # unless that record is missing or damaged: then what the manifests say
+                size = sizes.get(key, 0)
             txn.put(key, _budget.ref_value(count, size), db=db.refs)
         if not unreadable:
             for key in stored:
                 if key not in want:
-                    txn.delete(key, db=db.blocks)
+                    self._writer.free_block(txn, key, 0)
+        self._recount_packs(txn)
+
+    def _stored(self, txn) -> set:
+        """The addresses of every stored block: LMDB values and blocks in packs."""
+        db = self._db
+        stored = {bytes(k) for k in txn.cursor(db=db.blocks).iternext(keys=True, values=False)}
+        if PLACES in db:
+            stored.update(bytes(k) for k in txn.cursor(db=db.places).iternext(keys=True, values=False))
+        return stored
+
+    def _sizes(self, txn):
+        """``(address, bytes)`` of every block the readable manifests reference."""
+        for k, raw in txn.cursor(db=self._db.entries):
+            try:
+                yield from _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k))).blocks()
+            except PromptStoreError:
+                continue
+
+    def _recount_packs(self, txn) -> None:
+        """Set each pack's live bytes to its blocks' sizes; drop (and, after the
+        commit, unlink) the packs none of whose blocks is referenced."""
+        db = self._db
+        if PACKS not in db:
+            return
+        live: Dict[int, int] = {}
+        for k, raw in txn.cursor(db=db.places):
+            place = parse_pair(raw)
+            if place is not None:
+                live[place[0]] = live.get(place[0], 0) + _budget.ref_size(txn.get(bytes(k), db=db.refs))
+        for k, raw in list(txn.cursor(db=db.packs)):
+            k = bytes(k)
+            pack, have = U64.unpack(k)[0] if len(k) == 8 else None, parse_pair(raw)
+            if pack is None or pack not in live:
+                txn.delete(k, db=db.packs)
+                if pack is not None:
+                    self._env.after_commit(functools.partial(self._packs.unlink, pack))
+            elif have is None or have[0] != live[pack]:
+                txn.put(k, pair(live[pack], have[1] if have is not None else 0), db=db.packs)
 
     def _still(self, ekey: bytes, raw: Optional[bytes]) -> bool:
         """Whether the entry at ``ekey`` still has the manifest ``raw`` (a new snapshot)."""
@@ -172,18 +213,29 @@ class Maintenance:
             stray.append(name)
         return stray
 
+    def stray_packs(self, txn) -> List[int]:
+        """The pack files the store does not record (left by a put killed
+        before its commit)."""
+        if PACKS not in self._db:
+            return []
+        return [p for p in self._packs.numbers() if txn.get(U64.pack(p), db=self._db.packs) is None]
+
     def sweep_blobs(self, txn) -> int:
-        """Unlink, once ``txn`` commits, the blob files no manifest in it names.
-        Only in a write transaction: under the writer lock no put is between
-        writing its file and committing it (see ``format._blobs``)."""
+        """Unlink, once ``txn`` commits, the blob files no manifest in it names
+        and the pack files it does not record. Only in a write transaction:
+        under the writer lock no put is between writing its file and
+        committing it (see ``format._blobs``)."""
         stray = self.stray_blobs(txn)
-        if stray:
+        packs = self.stray_packs(txn)
+        if stray or packs:
             def unlink() -> None:
                 for name in stray:
                     self._blobs.unlink(name)
+                for pack in packs:
+                    self._packs.unlink(pack)
 
             self._env.after_commit(unlink)
-        return len(stray)
+        return len(stray) + len(packs)
 
 
 def is_newer(err: PromptStoreError, raw: Optional[bytes]) -> bool:

@@ -14,7 +14,6 @@ accounting, pin, and the manifest.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,14 @@ import numpy as np
 
 from promptstore.codecs import Encoded, codec_for_kind
 from promptstore.errors import PromptStoreError
-from promptstore.format import _blobs, _blocks, _entry, _fill, _payload
+from promptstore.format import _blobs, _blocks, _entry, _fill, _packs, _payload
 from promptstore.format._entry import Manifest
-from promptstore.store import _budget, _index, _keys
+from promptstore.store import _budget, _index, _keys, _schema
 from promptstore.store._env import Env
 from promptstore.store._schema import F64, Tables, chunk_key, model_of, owner_of_chunk
 from promptstore.store._usage import Usage
 
-Block = Tuple[bytes, Callable[[], Any], int]  # address, its bytes (made on demand), size
+Block = Tuple[bytes, Any, int]  # address, its bytes (bytes-like, or a [rows, tokens, width] view), size
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,7 @@ class EntryWriter:
         env: Env,
         tables: Tables,
         blobs: _blobs.Blobs,
+        packs: _packs.Packs,
         usage: Usage,
         shared_blocks: bool = False,
         block_tokens: int = _blocks.BLOCK_TOKENS,
@@ -66,6 +66,7 @@ class EntryWriter:
         self._env = env
         self._db = tables
         self._blobs = blobs
+        self._packs = packs
         self._usage = usage
         self.shared_blocks = shared_blocks  # puts keep KV arrays in shared blocks (format 3)
         self.block_tokens = block_tokens  # the most tokens a new block spans
@@ -85,13 +86,15 @@ class EntryWriter:
         pinned: bool = False,
         evict: bool = True,
         blocks: Sequence[Block] = (),
+        packs: Optional[List[int]] = None,
     ) -> int:
         """Write one entry: ``chunks`` (empty when a blob file holds the
         payload), its index records, last use (``used``, f64 bytes; None writes none), id, size
         (``size``, else the manifest's payload plus its own length), pin, and
         the manifest last. ``blocks`` are the shared blocks the manifest
         references, once per reference: each is counted, and written when the
-        store lacks it. An entry at ``ekey`` is replaced (its pin kept). With
+        store lacks it (into a new pack file if ``packs`` is a list, to which
+        its number is appended; see :meth:`_reference`). An entry at ``ekey`` is replaced (its pin kept). With
         ``evict``, least-recently-used entries go to make room within the
         budget, in this same transaction. Returns the bytes of blocks written.
 
@@ -104,7 +107,7 @@ class EntryWriter:
             self.unlink(txn, ekey, bytes(old))
         for i, chunk in enumerate(chunks):
             txn.put(chunk_key(ekey, i), chunk, db=db.chunks)
-        written = self._reference(txn, blocks)
+        written = self._reference(txn, blocks, packs)
         _index.add(txn, db, model_of(ekey), tokens, _keys.prefix_hashes(tokens), ekey, trimmable)
         if used is not None:
             txn.put(ekey, used, db=db.used)
@@ -121,20 +124,47 @@ class EntryWriter:
         txn.put(ekey, manifest, db=db.entries)  # last: the entry is visible whole or not at all
         return written
 
-    def _reference(self, txn, blocks: Sequence[Block]) -> int:
-        """Count one more reference to each block, writing those the store lacks."""
+    def _reference(self, txn, blocks: Sequence[Block], packs: Optional[List[int]]) -> int:
+        """Count one more reference to each block, writing those the store
+        lacks: into a new pack file when they add up to at least
+        ``_packs.MIN_BYTES`` and ``packs`` is given (the number of the pack
+        written is appended to it), else into LMDB."""
         db = self._db
-        written = 0
+        refs: Dict[bytes, List[Any]] = {}  # address -> [references added, size, its data]
         for key, data, size in blocks:
-            raw = txn.get(key, db=db.refs)
-            count = _budget.ref_count(raw)
-            if count == 0:
-                txn.put(key, data(), db=db.blocks)
-                written += size
-            txn.put(key, _budget.ref_value(count + 1, size), db=db.refs)
+            if key in refs:
+                refs[key][0] += 1
+            else:
+                refs[key] = [1, size, data]
+        counts = {key: _budget.ref_count(txn.get(key, db=db.refs)) for key in refs}
+        new = [(key, refs[key][2], refs[key][1]) for key, count in counts.items() if count == 0]
+        written = sum(size for _, _, size in new)
+        if new and packs is not None and written >= _packs.MIN_BYTES:
+            self._pack(txn, new, packs)
+        else:
+            for key, data, _ in new:
+                txn.put(key, _contiguous(data), db=db.blocks)
+        for key, (added, size, _) in refs.items():
+            txn.put(key, _budget.ref_value(counts[key] + added, size), db=db.refs)
         if written:
             _budget.add_usage(txn, db, written)
         return written
+
+    def _pack(self, txn, new: Sequence[Block], packs: List[int]) -> None:
+        """Write the blocks ``new`` to a new pack file, durably, and record where each is."""
+        db = self._db
+        pack = self._packs.new_number()
+        while txn.get(_schema.U64.pack(pack), db=db.packs) is not None:
+            pack = self._packs.new_number()
+        views: List[memoryview] = []
+        offset = 0
+        for key, data, size in new:
+            views.extend(_rows(data))
+            txn.put(key, _schema.pair(pack, offset), db=db.places)
+            offset += size
+        packs.append(pack)
+        self._packs.write(pack, views)
+        txn.put(_schema.U64.pack(pack), _schema.pair(offset, offset), db=db.packs)
 
     def _release(self, txn, man: Manifest) -> None:
         """Drop one reference to each block of ``man``; remove blocks no entry references."""
@@ -147,10 +177,28 @@ class EntryWriter:
                 txn.put(key, _budget.ref_value(count - 1, _budget.ref_size(raw)), db=db.refs)
             elif raw is not None:
                 txn.delete(key, db=db.refs)
-                txn.delete(key, db=db.blocks)
+                self.free_block(txn, key, _budget.ref_size(raw))
                 freed += _budget.ref_size(raw)
         if freed:
             _budget.add_usage(txn, db, -freed)
+
+    def free_block(self, txn, key: bytes, size: int) -> None:
+        """Remove a block's bytes: its LMDB value, or its share of a pack
+        (the pack is unlinked, after the commit, once none of it is referenced)."""
+        db = self._db
+        place = _schema.parse_pair(txn.get(key, db=db.places)) if _schema.PLACES in db else None
+        if place is None:
+            txn.delete(key, db=db.blocks)
+            return
+        txn.delete(key, db=db.places)
+        pkey = _schema.U64.pack(place[0])
+        live = _schema.parse_pair(txn.get(pkey, db=db.packs))
+        if live is not None and live[0] > size:
+            txn.put(pkey, _schema.pair(live[0] - size, live[1]), db=db.packs)
+            return
+        txn.delete(pkey, db=db.packs)
+        pack = place[0]
+        self._env.after_commit(lambda: self._packs.unlink(pack))
 
     def freed_by(self, txn) -> _budget.Freed:
         """What evicting an entry frees, its blocks included, given those planned before it."""
@@ -265,6 +313,7 @@ class EntryWriter:
         now = time.time() if created is None else created
         last_used = F64.pack(now if used is None else used)
         written: List[str] = []  # blob files this put wrote (one per attempt)
+        packed: List[int] = []  # pack files this put wrote (one per attempt)
 
         def pack(blob_name: Optional[str]) -> bytes:
             return _entry.pack_manifest(
@@ -279,9 +328,12 @@ class EntryWriter:
                 raise Changed(eid)
             chunks: Iterable[Any] = ()
             man = manifest
+            # Files are written under the writer lock; a retried transaction
+            # drops its earlier files and writes new ones.
+            for num in packed:
+                self._packs.unlink(num)
+            packed.clear()
             if hashing is not None:
-                # Written under the writer lock; a retried transaction drops
-                # its earlier file and writes a new one.
                 for name in written:
                     self._blobs.unlink(name)
                 name = _blobs.new_name(eid)
@@ -291,16 +343,19 @@ class EntryWriter:
                 man = pack(name)
             else:
                 chunks = _payload.iter_chunks(views, payload)
-            return self.add(txn, ekey, toks, trimmable, man, chunks, last_used, payload + len(man), evict=expect is None, blocks=blocks)
+            return self.add(txn, ekey, toks, trimmable, man, chunks, last_used, payload + len(man), evict=expect is None, blocks=blocks, packs=packed)
 
         try:
             new = self._env.write(write)
         except BaseException:
             # An interrupt can land after the commit (a signal is handled at the
-            # next bytecode): the file the committed manifest names stays.
+            # next bytecode): the files the committed records name stay.
             for name in written:
                 if not self._names_blob(ekey, name):
                     self._blobs.unlink(name)
+            for num in packed:
+                if not self._has_pack(num):
+                    self._packs.unlink(num)
             raise
         return Written(eid, now, payload, shared, new)
 
@@ -314,6 +369,15 @@ class EntryWriter:
                 if man.model == model and man.bounds:
                     return man.bounds, matched
         return (), 0
+
+    def _has_pack(self, pack: int) -> bool:
+        """Whether the store records pack ``pack`` (True when that cannot be
+        read: then the file stays, for gc)."""
+        try:
+            with self._env.read() as txn:
+                return txn.get(_schema.U64.pack(pack), db=self._db.packs) is not None
+        except BaseException:
+            return True
 
     def _names_blob(self, ekey: bytes, name: str) -> bool:
         """Whether the committed entry at ``ekey`` names blob file ``name``
@@ -343,7 +407,7 @@ def _cut(records: List[dict], bounds: Tuple[int, ...]) -> Tuple[List[Block], int
             for end in bounds:
                 part = rows[:, start:end, :]
                 key = _blocks.address(rec["kind"], rec["version"], a[1], _blocks.block_shape(shape, start, end), part)
-                blocks.append((key, functools.partial(_contiguous, part), part.nbytes))
+                blocks.append((key, part, part.nbytes))
                 keys.append(key)
                 start = end
             total += a[4]
@@ -351,6 +415,13 @@ def _cut(records: List[dict], bounds: Tuple[int, ...]) -> Tuple[List[Block], int
     return blocks, total
 
 
-def _contiguous(part: np.ndarray) -> memoryview:
+def _contiguous(data: Any) -> Any:
     """A block's bytes in C order (a copy of a strided view; made only for blocks the store lacks)."""
-    return np.ascontiguousarray(part).data
+    return np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data
+
+
+def _rows(data: Any) -> List[memoryview]:
+    """A block's bytes as contiguous pieces, in order, without a copy."""
+    if isinstance(data, np.ndarray):
+        return [row.reshape(-1).data for row in data] if not data.flags.c_contiguous else [data.reshape(-1).data]
+    return [memoryview(data)]

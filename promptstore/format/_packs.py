@@ -1,0 +1,106 @@
+"""Pack files: the shared blocks one put adds, back to back in one file.
+
+A put that adds at least :data:`MIN_BYTES` of new shared blocks writes them
+to a new pack file in ``<store>/packs/`` instead of into LMDB: LMDB copies a
+value into a malloc'd dirty page and again into the page cache at commit,
+where a file write copies once (``format._blobs`` says why that matters);
+and a restore reads a pack with ``preadv`` straight into the destination,
+as it reads a blob. Fewer new bytes stay LMDB values (a file and two fsyncs
+cost more than they save there).
+
+The store keeps, in the transaction that commits the manifests referencing
+them, where each block is (``places``: pack and offset) and how many of a
+pack's bytes are still referenced (``packs``); ``store._write`` has the
+bookkeeping. The rules that keep a pack as safe as a blob file:
+
+- A pack is created, written and fsynced (with its directory) under the
+  writer lock, inside the transaction that records it; a crash before the
+  commit leaves a pack no record names, removed by ``gc`` and
+  ``verify --fix`` under the writer lock. A retried transaction writes a new
+  pack.
+- A pack is unlinked only after the commit that dropped its last
+  referenced block; a reader on an older snapshot then finds no file
+  (:class:`~promptstore.format._blobs.Vanished`) and looks again.
+- Names are never reused (64 random bits, created with ``O_EXCL``).
+- Every block is checked against its address whenever it is read.
+
+Dead bytes (blocks no entry references any more, in a pack that still has
+live ones) stay on disk until the pack's last block goes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import List, Optional
+
+from promptstore.errors import StoreError
+from promptstore.format._blobs import Blobs, Vanished
+
+MIN_BYTES = 64 << 10  # a put's new blocks of at least this many bytes go to a pack file
+DIRNAME = "packs"
+SUFFIX = ".pack"
+_HEX = frozenset("0123456789abcdef")
+
+
+def name(pack: int) -> str:
+    return f"{pack:016x}{SUFFIX}"
+
+
+def pack_of(filename: str) -> Optional[int]:
+    """The pack number of a pack file name, or None for any other name."""
+    head = filename[: -len(SUFFIX)]
+    if filename.endswith(SUFFIX) and len(head) == 16 and set(head) <= _HEX:
+        return int(head, 16)
+    return None
+
+
+class Packs:
+    """The pack files of one store (``<store>/packs``)."""
+
+    def __init__(self, root: Path):
+        self.files = Blobs(root, DIRNAME, lambda n: pack_of(n) is not None, "pack file")
+
+    @staticmethod
+    def new_number() -> int:
+        return secrets.randbits(64) or 1
+
+    def write(self, pack: int, views) -> None:
+        """Write ``views`` back to back to a new pack file, durably (see ``Blobs.write``)."""
+        self.files.write(name(pack), views)
+
+    def unlink(self, pack: int) -> None:
+        self.files.unlink(name(pack))
+
+    def numbers(self) -> List[int]:
+        """The packs present (StoreError when the directory cannot be listed)."""
+        return [p for p in (pack_of(n) for n in self.files.names()) if p is not None]
+
+    def nbytes(self) -> int:
+        return self.files.nbytes()
+
+    def open(self, pack: int, where: str) -> int:
+        """A read-only descriptor of ``pack``.
+
+        Raises:
+            Vanished: no such file.
+            StoreError: it cannot be opened.
+        """
+        path = self.files.path(name(pack))
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as err:
+            raise Vanished(f"{where}: pack file {name(pack)} is missing", name(pack)) from err
+        except OSError as err:
+            raise StoreError(f"{where}: cannot open pack file {name(pack)} ({err})") from err
+
+    def read(self, pack: int, offset: int, size: int, where: str) -> bytes:
+        """``size`` bytes at ``offset`` of a pack (fewer when the file is short)."""
+        fd = self.open(pack, where)
+        try:
+            return os.pread(fd, size, offset)
+        except OSError as err:
+            raise StoreError(f"{where}: cannot read pack file {name(pack)} ({err})") from err
+        finally:
+            os.close(fd)

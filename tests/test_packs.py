@@ -1,0 +1,205 @@
+"""Pack files: the shared blocks a put adds, written together to one file
+beside LMDB (entry format 4). Real LMDB files, real pack files, real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from _bits import bits_equal
+from _raw import audit_blocks, audit_packs, get_block, pack_file, referrers, set_block, stored_bytes
+from promptstore import CorruptEntry, PromptStore, salvage
+from promptstore.format import _entry, _packs
+
+MODEL = "packs@0123456789abcdef"
+HERE = Path(__file__).resolve().parent
+
+
+def chat(n: int, seed: int = 0):
+    """Tokens and a one-layer KVCache of ``n`` positions (512 bytes a token),
+    the first positions of one long conversation whatever ``n``."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50000, 4096).tolist()[:n]
+    keys = rng.standard_normal((1, 2, 4096, 64)).astype(np.float16)[..., :n, :]
+    values = rng.standard_normal((1, 2, 4096, 64)).astype(np.float16)[..., :n, :]
+    kv = KVCache()
+    kv.update_and_fetch(mx.array(keys), mx.array(values))
+    return tokens, [kv]
+
+
+def packs(store) -> list:
+    d = store.path / _packs.DIRNAME
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def lmdb_blocks(store) -> int:
+    with store.env.read() as txn:
+        return sum(1 for _ in txn.cursor(db=store._db[b"blocks"]))
+
+
+def same(a, b) -> bool:
+    return all(bits_equal(x.keys[..., : x.offset, :], y.keys[..., : y.offset, :]) and bits_equal(x.values[..., : x.offset, :], y.values[..., : y.offset, :]) for x, y in zip(a, b))
+
+
+def test_a_put_writes_its_new_blocks_to_one_pack_and_nothing_else(tmp_path):
+    with PromptStore(tmp_path / "s") as store:
+        t1, c1 = chat(600)
+        info = store.put(MODEL, t1, c1)
+        assert len(packs(store)) == 1 and lmdb_blocks(store) == 0
+        pack = store.path / _packs.DIRNAME / packs(store)[0]
+        assert pack.stat().st_size == 600 * 512 == info.nbytes  # the KV bytes, once, nothing more
+        t2, c2 = chat(1500)
+        store.put(MODEL, t2, c2)
+        assert len(packs(store)) == 2
+        second = [p for p in packs(store) if p != pack.name][0]
+        assert (store.path / _packs.DIRNAME / second).stat().st_size == 900 * 512  # only what the first lacks
+        assert same(store.get(MODEL, t1), c1) and same(store.get(MODEL, t2), c2)
+        hit = store.lookup(MODEL, t2[:1000] + [7])  # a prefix of the longer entry: read from both packs
+        assert hit.matched == 1000
+        audit_blocks(store)
+        assert audit_packs(store) == 2 and store.usage() == stored_bytes(store)
+
+
+def test_a_small_put_keeps_its_blocks_in_lmdb(tmp_path):
+    with PromptStore(tmp_path / "s") as store:
+        t, c = chat(100)  # 51 kB of new blocks: below MIN_BYTES
+        assert 100 * 512 < _packs.MIN_BYTES
+        store.put(MODEL, t, c)
+        assert packs(store) == [] and lmdb_blocks(store) > 0
+        assert same(store.get(MODEL, t), c)
+
+
+def test_manifests_with_blocks_are_format_4(tmp_path):
+    """Older readers look for blocks in LMDB only: format 4 makes them refuse
+    such an entry as newer (fail closed) instead of calling it damaged."""
+    with PromptStore(tmp_path / "s") as store:
+        t, c = chat(600)
+        store.put(MODEL, t, c)
+        with store.env.read() as txn:
+            (_, raw), = list(txn.cursor(db=store._db[b"entries"]))
+        import msgpack
+
+        assert msgpack.unpackb(bytes(raw), raw=False)["format"] == _entry.PACKS_FORMAT == 4
+
+
+def test_a_pack_goes_when_its_last_block_does(tmp_path):
+    with PromptStore(tmp_path / "s") as store:
+        t1, c1 = chat(600)
+        t2, c2 = chat(1500)
+        store.put(MODEL, t1, c1)
+        store.put(MODEL, t2, c2)
+        store.delete(MODEL, t1)  # its blocks are the longer entry's too: both packs stay
+        assert len(packs(store)) == 2 and same(store.get(MODEL, t2), c2)
+        audit_blocks(store), audit_packs(store)
+        store.delete(MODEL, t2)
+        assert packs(store) == [] and store.usage() == 0
+        assert store.verify().ok
+
+
+def test_eviction_removes_packs_and_keeps_the_budget(tmp_path):
+    budget = 2_000_000
+    with PromptStore(tmp_path / "s", budget=budget) as store:
+        for seed in range(8):  # unrelated conversations of ~0.6 MB each
+            t, c = chat(1200, seed=seed)
+            store.put(MODEL, t, c)
+            assert store.usage() == stored_bytes(store) <= budget
+            audit_blocks(store), audit_packs(store)
+        assert len(list(store.entries())) == len(packs(store)) == 3
+        assert store.file_size() <= 1.25 * budget + (1 << 20)
+
+
+def test_flipped_truncated_and_missing_packs_fail_closed(tmp_path):
+    with PromptStore(tmp_path / "s") as store:
+        t1, c1 = chat(600)
+        t2, c2 = chat(1500)
+        t3, c3 = chat(700, seed=5)  # another conversation: its own pack
+        store.put(MODEL, t1, c1)
+        store.put(MODEL, t2, c2)
+        store.put(MODEL, t3, c3)
+        ids = {e.n_tokens: e.id for e in store.entries()}
+        shared = [k for k, who in referrers(store).items() if who == {ids[600], ids[1500]}][0]
+        good = get_block(store, shared)
+        raw = bytearray(good)
+        raw[len(raw) // 2] ^= 0x08
+        set_block(store, shared, raw)
+        for t in (t1, t2):
+            with pytest.raises(CorruptEntry, match="does not match its address"):
+                store.get(MODEL, t)
+        assert same(store.get(MODEL, t3), c3)
+        rep = store.verify()
+        assert {p[0] for p in rep.problems} == {ids[600], ids[1500]}
+        set_block(store, shared, good)
+        assert store.verify().ok
+        # truncated: the file ends inside a block
+        path = pack_file(store, shared)
+        size = path.stat().st_size
+        os.truncate(path, size - 100)
+        with pytest.raises(CorruptEntry, match="ends inside"):
+            store.get(MODEL, t1)
+        # missing: a lost file, told from a deleted entry by a second snapshot
+        path.unlink()
+        with pytest.raises(CorruptEntry, match="missing"):
+            store.get(MODEL, t2)
+        assert store.lookup(MODEL, t2 + [1]) is None or store.lookup(MODEL, t2 + [1]).matched == 0
+        rep = store.verify(fix=True)
+        assert sorted(e.n_tokens for e in store.entries()) == [700]  # only the damaged ones went
+        assert same(store.get(MODEL, t3), c3) and store.verify().ok
+        audit_blocks(store), audit_packs(store)
+
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+from test_packs import chat, MODEL
+from promptstore import PromptStore
+from promptstore.format import _packs
+
+real = _packs.Packs.write
+def write(self, pack, views):
+    real(self, pack, views)
+    os.kill(os.getpid(), signal.SIGKILL)  # the pack is on disk, its records are not
+_packs.Packs.write = write
+with PromptStore({path!r}) as store:
+    t, c = chat(2000)
+    store.put(MODEL, t, c)
+"""
+
+
+def test_a_put_killed_after_writing_its_pack_leaves_a_stray_file_that_gc_removes(tmp_path):
+    path = tmp_path / "s"
+    with PromptStore(path) as store:
+        t, c = chat(600)
+        store.put(MODEL, t, c)
+    proc = subprocess.run([sys.executable, "-c", KILLER.format(here=str(HERE), path=str(path))], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    with PromptStore(path) as store:
+        assert len(packs(store)) == 2  # the killed put's pack, on disk, recorded nowhere
+        rep = store.verify()
+        assert rep.ok and rep.orphan_blobs == 1 and len(list(store.entries())) == 1
+        store.gc()
+        assert len(packs(store)) == 1 and store.verify().ok and store.verify().orphan_blobs == 0
+        assert same(store.get(MODEL, t), c) and store.get(MODEL, chat(2000)[0]) is None
+        audit_blocks(store), audit_packs(store)
+
+
+def test_salvage_copies_entries_whose_blocks_are_in_packs(tmp_path):
+    with PromptStore(tmp_path / "s") as store:
+        t1, c1 = chat(600)
+        t2, c2 = chat(1500)
+        store.put(MODEL, t1, c1)
+        store.put(MODEL, t2, c2)
+    rep = salvage(tmp_path / "s", tmp_path / "out")
+    assert len(rep.copied) == 2 and not rep.skipped
+    with PromptStore(tmp_path / "out") as out:
+        assert same(out.get(MODEL, t1), c1) and same(out.get(MODEL, t2), c2)
+        assert packs(out) and out.verify().ok
+        audit_blocks(out), audit_packs(out)
