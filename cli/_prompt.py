@@ -31,20 +31,27 @@ class PromptArgs:
         return any(x is not None for x in (self.prompt, self.prompt_file, self.messages_file))
 
 
+def templating_options(fn: Callable) -> Callable:
+    """--system-prompt and --ignore-chat-template (alias --no-chat-template),
+    as mlx-lm names them; the command receives ``system_prompt`` and
+    ``no_chat_template`` (warmup), or them within ``pargs``."""
+    fn = click.option(
+        "--ignore-chat-template",
+        "--no-chat-template",
+        "no_chat_template",
+        is_flag=True,
+        help="Tokenize the raw text, without the chat template (as mlx_lm.generate --ignore-chat-template).",
+    )(fn)
+    return click.option("--system-prompt", default=None, help="A system message before the prompt (as mlx_lm.generate --system-prompt).")(fn)
+
+
 def prompt_options(fn: Callable) -> Callable:
     """The prompt options; the command receives them as one ``pargs`` (PromptArgs)."""
 
     @click.option("--prompt", "prompt", default=None, help="Prompt text; '-' reads standard input.")
     @click.option("--prompt-file", type=click.Path(dir_okay=False, exists=True), default=None, help="Read the prompt from a file (UTF-8).")
     @click.option("--messages", "messages_file", type=click.Path(dir_okay=False, exists=True), default=None, help="A JSON list of chat messages.")
-    @click.option("--system-prompt", default=None, help="A system message before the prompt (as mlx_lm.generate --system-prompt).")
-    @click.option(
-        "--ignore-chat-template",
-        "--no-chat-template",
-        "no_chat_template",
-        is_flag=True,
-        help="Tokenize the raw text, without the chat template (as mlx_lm.generate --ignore-chat-template).",
-    )
+    @templating_options
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         kwargs["pargs"] = PromptArgs(

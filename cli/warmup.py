@@ -10,7 +10,8 @@ import click
 from promptstore import warmup as run_warmup
 from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
 from promptstore.cli._model import load, model_options
-from promptstore.jobs.prefill import PREFILL_STEP
+from promptstore.cli._prompt import templating_options
+from promptstore.identity import context_length
 
 if TYPE_CHECKING:
     from click._termui_impl import ProgressBar
@@ -41,7 +42,8 @@ class _Bar:
 
 
 @command()
-@model_options(cache=False)
+@model_options()
+@templating_options
 @click.argument("prompts_file", metavar="PROMPTS.jsonl", type=click.Path(dir_okay=False, exists=True))
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1), help="Prompts prefilled together.")
 @click.option(
@@ -51,24 +53,20 @@ class _Bar:
     type=click.IntRange(min=0),
     help="For caches that cannot be trimmed (hybrid models), also store a checkpoint every N tokens; 0: message boundaries only.",
 )
-@click.option("--prefill-step-size", type=click.IntRange(min=1), default=PREFILL_STEP, show_default=True, help="Prompt tokens per forward pass; smaller lowers peak memory.")
-@click.option(
-    "--ignore-chat-template",
-    "--no-chat-template",
-    "no_chat_template",
-    is_flag=True,
-    help="Tokenize prompts as raw text, without the chat template (as mlx_lm.generate --ignore-chat-template).",
-)
 @json_option
 @click.pass_obj
 @guarded
-def warmup(obj, margs, prompts_file, batch_size, checkpoint_every, prefill_step_size, no_chat_template, as_json):
+def warmup(obj, margs, system_prompt, no_chat_template, prompts_file, batch_size, checkpoint_every, as_json):
     """Prefill every prompt of PROMPTS.jsonl on MODEL and store its cache.
 
     Each line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}.
     Prompts already stored are skipped, so re-running a job that stopped
     continues where it stopped. A bad line is reported with its line number;
-    the job goes on and exits 1 at the end.
+    the job goes on and exits 1 at the end. Prompts are templated as
+    `promptstore put` templates them (--system-prompt goes before each
+    "prompt" line; a "messages" line carries its own), with mlx-lm's cache
+    flags as put takes them; a prompt longer than the model's context is a
+    line error unless --allow-long-prompt.
     """
     store = obj.store  # a store this user cannot write fails here, before the model loads
     loaded = load(margs)
@@ -82,9 +80,11 @@ def warmup(obj, margs, prompts_file, batch_size, checkpoint_every, prefill_step_
             checkpoint_every=checkpoint_every,
             chat_template=not no_chat_template,
             progress=bar,
-            step=prefill_step_size,
             loaded=(loaded.model, loaded.tokenizer),
             model_id=loaded.identity,
+            options=margs.cache,
+            system_prompt=system_prompt,
+            max_tokens=None if margs.allow_long_prompt else context_length(loaded.config),
         )
     finally:
         bar.close()

@@ -96,7 +96,7 @@ def test_prefill_step_size_and_warmup_flags(tmp_path, monkeypatch):
     s = tmp_path / "s"
     seen = []
     real = prefill_mod.eval_cache
-    monkeypatch.setattr(prefill_mod, "eval_cache", lambda cache: seen.append(cache[0].offset) or real(cache))
+    monkeypatch.setattr(prefill_mod, "eval_cache", lambda cache, *a: seen.append(cache[0].offset) or real(cache, *a))
     entry = js(s, "put", "--model", LLAMA, "--prompt", PROMPT, "--prefill-step-size", "4")
     assert seen == list(range(4, entry["tokens"], 4)) + [entry["tokens"]]  # one forward per 4 tokens
     prompts = tmp_path / "p.jsonl"

@@ -4,9 +4,16 @@ mlx-lm writes a prompt cache as one ``.safetensors`` file
 (``mlx_lm.models.cache.save_prompt_cache``): every layer's ``state``, the
 layer class names, and string metadata of which ``mlx_lm.generate`` reads
 ``model`` (it refuses a ``--model`` other than this string) and
-``tokenizer_config`` (JSON). The file carries no token ids, so importing one
-checks the layers' coverage against the tokens of the prompt the caller
-names and refuses a mismatch.
+``tokenizer_config`` (JSON: how mlx-lm loads the tokenizer, e.g. an
+``eos_token`` that ``mlx_lm.cache_prompt --eos-token`` set). The file carries
+no token ids, so importing one checks the layers' coverage against the
+tokens of the prompt the caller names, then what the layers hold against
+those tokens (:func:`check_cache_tokens`), and refuses a mismatch; a file
+whose end cannot be checked is refused unless the caller trusts it.
+
+The file's own metadata (``tokenizer_config`` and any other keys) is kept
+in the entry's user metadata under ``mlx_lm_metadata`` and written back by
+an export, so a file survives import and export with its metadata.
 
 Files written here are plain mlx-lm files plus two extra metadata keys that
 mlx-lm ignores: ``promptstore_tokens`` (JSON list of the covered token ids)
@@ -19,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from promptstore.codecs import codec_for_layer, layer_coverage
 from promptstore.errors import (
@@ -28,6 +35,7 @@ from promptstore.errors import (
     InvalidInput,
     ModelMismatch,
 )
+from promptstore.jobs._tokencheck import KV_SUBSTITUTES, TokenCheck, check_cache_tokens, kv_shape
 from promptstore.jobs.prefill import make_cache
 
 __all__ = [
@@ -36,13 +44,17 @@ __all__ = [
     "write_mlx_cache_file",
     "cache_coverage",
     "check_cache_fits_model",
-    "check_tail_tokens",
+    "check_cache_tokens",
+    "TokenCheck",
     "export_entry",
+    "file_metadata_of",
     "import_mlx_cache_file",
 ]
 
 TOKENS_KEY = "promptstore_tokens"
 MODEL_KEY = "promptstore_model"
+#: The entry metadata key that keeps an imported file's own metadata.
+FILE_META_KEY = "mlx_lm_metadata"
 PathLike = Union[str, Path]
 
 
@@ -97,7 +109,7 @@ def write_mlx_cache_file(
     model: str,
     tokens: Optional[Sequence[int]] = None,
     fingerprint: Optional[str] = None,
-    tokenizer_config: Optional[Dict[str, Any]] = None,
+    file_metadata: Optional[Mapping[str, Any]] = None,
 ) -> None:
     """Write ``cache`` as an mlx-lm prompt-cache file.
 
@@ -108,12 +120,16 @@ def write_mlx_cache_file(
             must then be exactly this string, or omitted).
         tokens: the token ids the cache covers; recorded for later imports.
         fingerprint: the model fingerprint; recorded for later imports.
-        tokenizer_config: the tokenizer config mlx-lm reloads (default ``{}``).
+        file_metadata: more metadata for the file, as an imported file
+            carried it (:func:`file_metadata_of`): ``tokenizer_config``, the
+            tokenizer config mlx-lm reloads (default ``"{}"``), and any user
+            keys. ``model`` and promptstore's own keys are this call's.
 
     Raises:
         UnknownStorageKind: a layer has no mlx-lm class.
         CoverageMismatch: ``tokens`` is given and the cache covers another count.
-        InvalidInput: the path does not end in ``.safetensors``.
+        InvalidInput: the path does not end in ``.safetensors``, or
+            ``file_metadata`` is not strings.
     """
     import mlx.core as mx
     from mlx_lm.models.cache import save_prompt_cache
@@ -122,7 +138,11 @@ def write_mlx_cache_file(
     if path.suffix != ".safetensors":
         raise InvalidInput(f"{path}: an mlx-lm prompt-cache file must end in .safetensors (mx.save_safetensors appends it otherwise)")
     layers = [_to_mlx_lm_layer(layer) for layer in cache]
-    metadata = {"model": str(model), "tokenizer_config": json.dumps(tokenizer_config or {})}
+    if file_metadata is not None and not _strings(dict(file_metadata)):
+        raise InvalidInput(f"{path}: file metadata must map names to strings (safetensors metadata holds only strings)")
+    metadata: Dict[str, Any] = {"tokenizer_config": "{}", **(file_metadata or {}), "model": str(model)}
+    metadata.pop(TOKENS_KEY, None)
+    metadata.pop(MODEL_KEY, None)
     if tokens is not None:
         n = cache_coverage(layers, str(path))
         if n != len(tokens):
@@ -138,6 +158,26 @@ def write_mlx_cache_file(
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _strings(x: Any) -> bool:
+    """Whether ``x`` is what mlx-lm makes of a file's string metadata: strings,
+    nested in dicts (keys with dots) or lists (numeric keys) by its tree_unflatten."""
+    if isinstance(x, str):
+        return True
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _strings(v) for k, v in x.items())
+    if isinstance(x, list):
+        return all(_strings(v) for v in x)
+    return False
+
+
+def file_metadata_of(meta: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The mlx-lm file metadata an entry's user metadata keeps (an imported
+    file's), or None: none kept, or a value under the key that is not the
+    file's (a user's own ``--meta mlx_lm_metadata=...``)."""
+    kept = (meta or {}).get(FILE_META_KEY)
+    return dict(kept) if isinstance(kept, dict) and _strings(kept) else None
 
 
 def read_mlx_cache_file(path: PathLike) -> MlxCacheFile:
@@ -176,8 +216,9 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
     """Refuse a cache whose layer classes or array shapes are not the model's.
 
     The check compares with what one token of prefill makes on ``model``:
-    the same class per layer and, per array, the same shape apart from the
-    sequence axis.
+    the same class per layer (or the class mlx-lm's ``--kv-bits`` or
+    ``--max-kv-size`` makes of a KVCache) and, per array, the same shape
+    apart from the sequence axis (a quantized layer's once dequantized).
 
     Raises:
         ModelMismatch: another layer count, class or shape.
@@ -189,17 +230,22 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
     if len(probe) != len(cache):
         raise ModelMismatch(f"{where}: {len(cache)} layers, but the model makes {len(probe)}; it was made by another model")
     for i, (mine, theirs) in enumerate(zip(probe, cache)):
-        if type(mine) is not type(theirs):  # both are mlx-lm's classes here
+        # the file's are mlx-lm's classes; ours as the mlx-lm class a file holds them as
+        want = codec_for_layer(mine).mlx_lm_class or type(mine)
+        if want is not type(theirs) and type(theirs) not in KV_SUBSTITUTES.get(want, ()):
             raise ModelMismatch(
-                f"{where}: layer {i} is {type(theirs).__name__}, the model makes {type(mine).__name__}; it was made by another model"
+                f"{where}: layer {i} is {type(theirs).__name__}, the model makes {want.__name__}; it was made by another model"
             )
     model(mx.array([[0]]), cache=probe)
+    probe = [_to_mlx_lm_layer(layer) for layer in probe]
 
     def shapes(layer):
         return [v.shape for _, v in tree_flatten(layer.state) if isinstance(v, mx.array) and v.ndim >= 3]
 
     for i, (mine, theirs) in enumerate(zip(probe, cache)):
         a, b = shapes(mine), shapes(theirs)
+        if type(mine) is not type(theirs):  # a substitute: its keys, dequantized
+            a, b = [kv_shape(mine)], [kv_shape(theirs)]
         if len(a) != len(b) or not all(_same_but_length(x, y, mine) for x, y in zip(a, b)):
             raise ModelMismatch(f"{where}: layer {i} holds arrays of shapes {b}, the model's are {a}; it was made by another model")
 
@@ -215,52 +261,6 @@ def _same_but_length(x: Tuple[int, ...], y: Tuple[int, ...], layer: Any) -> bool
     return x[:axis] == y[:axis] and x[axis + 1 :] == y[axis + 1 :]
 
 
-TAIL_TOKENS = 4
-TAIL_TOLERANCE = 0.05
-
-
-def check_tail_tokens(cache: Sequence[Any], model: Any, tokens: Sequence[int], where: str = "cache") -> bool:
-    """Check that a KV cache's last positions were made from ``tokens``' last tokens.
-
-    For a cache of plain KV layers only: a copy trimmed by a few tokens is
-    run on the prompt's last tokens, and the keys and values it makes must
-    agree with the stored ones (relative to their magnitude; a different
-    chunking of prefill changes the low bits, a different token changes
-    everything). Recurrent layers cannot be trimmed, so hybrid caches are
-    not checked (returns False).
-
-    Returns:
-        True when the check ran and passed; False when it does not apply.
-
-    Raises:
-        CoverageMismatch: the cache ends with other tokens than ``tokens``.
-    """
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    n = len(tokens)
-    k = min(TAIL_TOKENS, n - 1)
-    if k < 1 or not all(type(layer) is KVCache and layer.offset == n for layer in cache):
-        return False
-    copies = []
-    for layer in cache:  # fresh array objects: update_and_fetch writes into its buffers in place
-        c = KVCache()
-        c.keys, c.values, c.offset = layer.keys[..., : n - k, :], layer.values[..., : n - k, :], n - k
-        copies.append(c)
-    model(mx.array([list(tokens[n - k :])]), cache=copies)
-    for i, (mine, theirs) in enumerate(zip(copies, cache)):
-        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
-            a = a[..., n - k : n, :].astype(mx.float32)
-            b = b[..., n - k : n, :].astype(mx.float32)
-            err = cast(float, (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item())  # float32 scalar: a float
-            if err > TAIL_TOLERANCE:
-                raise CoverageMismatch(
-                    f"{where}: the cache's last {k} positions (layer {i}) were not made from the last {k} tokens of the prompt; "
-                    "give the exact prompt the file was made from"
-                )
-    return True
-
-
 def export_entry(store: Any, key: str, path: PathLike, model_path: Optional[str] = None, model: Optional[str] = None) -> Tuple[Any, List[int]]:
     """Write the store entry ``key`` as an mlx-lm prompt-cache file.
 
@@ -273,6 +273,10 @@ def export_entry(store: Any, key: str, path: PathLike, model_path: Optional[str]
             readable model name.
         model: the model fingerprint the entry must belong to, when known.
 
+    The file carries the metadata an imported file brought with it
+    (``tokenizer_config``, user keys), so an import and an export give back
+    what ``mlx_lm.cache_prompt`` wrote.
+
     Returns:
         ``(info, tokens)`` of the exported entry.
 
@@ -280,7 +284,9 @@ def export_entry(store: Any, key: str, path: PathLike, model_path: Optional[str]
         EntryNotFound, ModelMismatch, CorruptEntry, UnknownStorageKind.
     """
     cache, info, tokens = store.load(key, model=model)
-    write_mlx_cache_file(path, cache, model_path or info.model_name, tokens=tokens, fingerprint=info.model)
+    write_mlx_cache_file(
+        path, cache, model_path or info.model_name, tokens=tokens, fingerprint=info.model, file_metadata=file_metadata_of(info.meta)
+    )
     return info, tokens
 
 
@@ -291,6 +297,7 @@ def import_mlx_cache_file(
     tokens: Optional[Sequence[int]] = None,
     model: Any = None,
     meta: Optional[Dict[str, Any]] = None,
+    trust_unverified: bool = False,
 ):
     """Store the cache of an mlx-lm prompt-cache file under ``fingerprint``.
 
@@ -298,9 +305,16 @@ def import_mlx_cache_file(
     it), so ``tokens`` names what it covers: the tokens of the prompt it was
     made from, templated as ``mlx_lm.cache_prompt`` does
     (:func:`promptstore.jobs.prefill.encode_prompt`). Its coverage must be exactly
-    ``len(tokens)``; a file with recorded tokens must match them exactly; a
-    plain-KV file's last positions are checked against the prompt's last
-    tokens (:func:`check_tail_tokens`; hybrid files only by count).
+    ``len(tokens)``; a file with recorded tokens must match them exactly;
+    what the layers hold is checked against the tokens wherever it can be
+    (:func:`check_cache_tokens`), and a file without recorded tokens whose
+    end cannot be checked (a hybrid model's, past its first tokens) is
+    refused unless ``trust_unverified``.
+
+    The entry's metadata keeps the file's name (``imported_from``), what was
+    checked (``import_check``) and the file's own metadata
+    (``mlx_lm_metadata``: ``tokenizer_config`` and other keys), which an
+    export writes back.
 
     Args:
         store: a PromptStore.
@@ -308,8 +322,10 @@ def import_mlx_cache_file(
         path: the file.
         tokens: the token ids the file covers (optional only when the file
             records them).
-        model: the loaded model; when given, the layers are checked against it.
+        model: the loaded model; when given, the layers are checked against
+            it (without it, a file that records no tokens is unverified).
         meta: user metadata for the entry.
+        trust_unverified: store a file whose end cannot be checked.
 
     Returns:
         The stored EntryInfo.
@@ -319,7 +335,9 @@ def import_mlx_cache_file(
             tokens, than given.
         ModelMismatch: the file records another fingerprint, or its layers do
             not fit ``model``.
-        CorruptEntry, InvalidInput.
+        InvalidInput: the file cannot be verified (and ``trust_unverified``
+            is False), or ``meta`` uses a key import writes.
+        CorruptEntry.
     """
     f = read_mlx_cache_file(path)
     if f.fingerprint is not None and f.fingerprint != fingerprint:
@@ -342,10 +360,28 @@ def import_mlx_cache_file(
     if f.tokens is not None and f.tokens != tokens:
         first = next(i for i, (a, b) in enumerate(zip(f.tokens, tokens)) if a != b)
         raise CoverageMismatch(f"{path}: the file covers other tokens than the prompt (first difference at token {first})")
+    taken = sorted(set(meta or {}) & {"imported_from", "import_check", FILE_META_KEY})
+    if taken:
+        raise InvalidInput(f"metadata key {taken[0]!r} is written by import itself; choose another name")
+    check: Optional[TokenCheck] = None
     if model is not None:
         check_cache_fits_model(f.cache, model, str(path))
-        if f.tokens is None:
-            check_tail_tokens(f.cache, model, tokens, str(path))
-    file_meta = {"imported_from": str(Path(path).name)}
+        check = check_cache_tokens(f.cache, model, tokens, str(path))
+    if f.tokens is None and (check is None or not check.verified) and not trust_unverified:
+        why = check.unverified if check is not None else "no model to check it against was given"
+        raise InvalidInput(
+            f"{path}: {why}, so a file made from another prompt of the same length could not be told apart; nothing was stored. "
+            "Pass --trust-unverified if you know the exact prompt the file was made from, or store the prompt with `promptstore put`"
+        )
+    if f.tokens is not None:
+        done = "recorded tokens" + (f"; {check.describe()}" if check is not None else "")
+    elif check is None:
+        done = "none (stored with --trust-unverified)"
+    else:
+        done = check.describe() if check.verified else f"{check.describe()} (stored with --trust-unverified)"
+    file_meta: Dict[str, Any] = {"imported_from": str(Path(path).name), "import_check": done}
     file_meta.update(meta or {})
+    kept = {k: v for k, v in f.metadata.items() if k not in (TOKENS_KEY, MODEL_KEY)}
+    if kept and _strings(kept):
+        file_meta[FILE_META_KEY] = kept
     return store.put(fingerprint, tokens, f.cache, meta=file_meta)

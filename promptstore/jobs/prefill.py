@@ -15,7 +15,7 @@ import mlx.core as mx
 from promptstore.errors import InvalidInput
 from promptstore.identity import resolve_model
 
-__all__ = ["CacheOptions", "load_model", "encode_prompt", "prefill", "make_cache", "eval_cache"]
+__all__ = ["CacheOptions", "load_model", "encode_prompt", "prefill", "make_cache", "eval_cache", "quantizer"]
 
 PREFILL_STEP = 2048
 QUANTIZED_KV_START = 5000  # mlx_lm.generate's default
@@ -129,19 +129,47 @@ def encode_prompt(
 
 def make_cache(model: Any, options: Optional[CacheOptions] = None) -> List[Any]:
     """The model's prompt cache, as mlx-lm makes it (rotating layers with
-    ``options.max_kv_size``)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    ``options.max_kv_size``), with SSMCache in its gated-DeltaNet layers, so
+    every path stores them as ``ssm.gated_delta`` with coverage."""
+    from promptstore.ssm import make_prompt_cache  # imports mlx-lm
 
     return make_prompt_cache(model, options.max_kv_size if options is not None else None)
 
 
-def eval_cache(cache: List[Any]) -> None:
-    """Evaluate every array a cache holds."""
+def eval_cache(cache: List[Any], each: Optional[Callable[[int], None]] = None) -> None:
+    """Evaluate every array a cache holds.
+
+    With ``each``, layer by layer in order, calling ``each(layers_done)``
+    after each: the forward pass runs lazily, so evaluating layer i runs the
+    model up to layer i, and a caller can report progress within one
+    forward pass. The graph, and so every bit computed, is the same.
+    """
     from mlx.utils import tree_flatten
 
-    # Without a destination, tree_flatten returns the list of pairs.
-    pairs = cast(List[Tuple[str, Any]], tree_flatten([c.state for c in cache]))
-    mx.eval([v for _, v in pairs if isinstance(v, mx.array)])
+    def arrays(layers: List[Any]) -> List[mx.array]:
+        # Without a destination, tree_flatten returns the list of pairs.
+        pairs = cast(List[Tuple[str, Any]], tree_flatten([c.state for c in layers]))
+        return [v for _, v in pairs if isinstance(v, mx.array)]
+
+    if each is None:
+        mx.eval(arrays(cache))
+        return
+    for i, layer in enumerate(cache):
+        mx.eval(arrays([layer]))
+        each(i + 1)
+
+
+def quantizer(options: Optional[CacheOptions]) -> Optional[Callable[[List[Any]], None]]:
+    """What ``mlx_lm.generate`` does to the cache after each prefill chunk
+    with ``--kv-bits`` (``maybe_quantize_kv_cache``: KV layers holding
+    ``quantized_kv_start`` tokens become quantized, replaced in the list);
+    None without ``kv_bits``."""
+    if options is None or options.kv_bits is None:
+        return None
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    start, group, bits = options.quantized_kv_start, options.kv_group_size, options.kv_bits
+    return lambda cache: maybe_quantize_kv_cache(cache, start, group, bits)
 
 
 def prefill(
@@ -158,17 +186,17 @@ def prefill(
     ``mlx_lm.generate`` does (``maybe_quantize_kv_cache``, which replaces
     list items: the list passed in is updated in place).
 
+    ``progress(done, total, seconds)`` is called as each chunk's layers are
+    evaluated (:func:`eval_cache`), so it moves within a chunk; ``done``
+    reaches ``len(tokens)`` at the end.
+
     Returns the cache, which then covers exactly ``len(tokens)`` more tokens.
     """
     if cache is None:
         cache = make_cache(model, options)
     if step is None:
         step = options.step if options is not None else PREFILL_STEP
-    quantize = None
-    if options is not None and options.kv_bits is not None:
-        from mlx_lm.generate import maybe_quantize_kv_cache
-
-        quantize = maybe_quantize_kv_cache
+    quantize = quantizer(options)
     total = len(tokens)
     start = time.perf_counter()
     done = 0
@@ -176,10 +204,17 @@ def prefill(
         n = min(step, total - done)
         # mx.array takes any sequence of ints; its stub names only list and tuple.
         model(mx.array(cast(List[int], tokens[done : done + n]))[None], cache=cache)
-        if quantize is not None and options is not None:
-            quantize(cache, options.quantized_kv_start, options.kv_group_size, options.kv_bits)
-        eval_cache(cache)
+        if quantize is not None:
+            quantize(cache)
+        if progress is None:
+            eval_cache(cache)
+        else:
+            layers = len(cache)
+
+            def each(i: int, base: int = done, n: int = n) -> None:
+                # the last layer ends the chunk: ``done`` then counts it whole
+                progress(base + n * i // layers, total, time.perf_counter() - start)
+
+            eval_cache(cache, each)
         done += n
-        if progress is not None:
-            progress(done, total, time.perf_counter() - start)
     return cache

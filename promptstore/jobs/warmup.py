@@ -45,7 +45,7 @@ from promptstore.codecs import codec_for_layer, encode_layer
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.identity import fingerprint
-from promptstore.jobs.prefill import PREFILL_STEP, encode_prompt, eval_cache, load_model, make_cache
+from promptstore.jobs.prefill import PREFILL_STEP, CacheOptions, encode_prompt, eval_cache, load_model, make_cache, quantizer
 from promptstore.rows import extract_row
 
 __all__ = [
@@ -209,17 +209,18 @@ class _Plan:
     meta: Dict[str, Any]
 
 
-def _batchable(model: Any) -> bool:
-    """Whether every layer's codec can prefill rows left-padded in a batch.
+def _batchable(model: Any, options: CacheOptions) -> bool:
+    """Whether every layer's codec can prefill rows left-padded in a batch
+    (the cache ``options`` make; quantizing mid-prefill is serial only).
 
     Raises:
         UnknownStorageKind: a layer's exact class has no codec.
     """
-    return all(codec_for_layer(layer).batchable for layer in make_cache(model))
+    return options.kv_bits is None and all(codec_for_layer(layer).batchable for layer in make_cache(model, options))
 
 
-def _batch_cache(model: Any, pads: List[int]) -> List[Any]:
-    return [codec_for_layer(layer).batch_layer(layer, pads) for layer in make_cache(model)]
+def _batch_cache(model: Any, pads: List[int], options: CacheOptions) -> List[Any]:
+    return [codec_for_layer(layer).batch_layer(layer, pads) for layer in make_cache(model, options)]
 
 
 def _same_entry(a: List[Any], b: List[Any]) -> bool:
@@ -237,12 +238,14 @@ def _same_entry(a: List[Any], b: List[Any]) -> bool:
 
 
 class _Job:
-    def __init__(self, store, model, model_id: str, batch_size: int, step: int, progress: Optional[Progress], total: int):
+    def __init__(self, store, model, model_id: str, batch_size: int, options: CacheOptions, progress: Optional[Progress], total: int):
         self.store = store
         self.model = model
         self.model_id = model_id
         self.batch_size = batch_size
-        self.step = step
+        self.options = options
+        self.step = options.step
+        self.quantize = quantizer(options)  # serial only (see _batchable)
         self.progress = progress
         self.total = total
         self.done = 0
@@ -283,7 +286,7 @@ class _Job:
         L = max(lengths)
         pads = [L - n for n in lengths]
         rows = batched and B > 1
-        cache = _batch_cache(self.model, pads) if rows else make_cache(self.model)
+        cache = _batch_cache(self.model, pads, self.options) if rows else make_cache(self.model, self.options)
         x = mx.array([[0] * pad + p.tokens for pad, p in zip(pads, plans)])
         events: Dict[int, List[Tuple[int, int]]] = {}
         for i, p in enumerate(plans):
@@ -294,6 +297,8 @@ class _Job:
             while pos < stop:
                 n = min(self.step, stop - pos)
                 self.model(x[:, pos : pos + n], cache=cache)
+                if self.quantize is not None:
+                    self.quantize(cache)
                 eval_cache(cache)
                 live = sum(max(0, min(pos + n, L) - max(pos, pad)) for pad in pads)
                 pos += n
@@ -320,15 +325,26 @@ class _Job:
             self.put(plan.tokens[:n], cache, meta, final)
 
 
-def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, chat_template: bool, checkpoints: bool, every: int, errors: List[LineError]):
+@dataclass(frozen=True)
+class _Templating:
+    """How prompts become tokens: as ``promptstore put`` templates them, and
+    the longest prompt allowed (None: any)."""
+
+    chat_template: bool
+    system_prompt: Optional[str]
+    max_tokens: Optional[int]
+
+
+def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, how: _Templating, checkpoints: bool, every: int, errors: List[LineError]):
     """Template every record; drop stored ones and repeats; choose checkpoints."""
     plans: List[_Plan] = []
     skipped = 0
     seen: Dict[Tuple[int, ...], int] = {}
+    chat_template = how.chat_template
     for rec in records:
         try:
             msgs = list(rec.messages) if rec.messages is not None else None
-            tokens = encode_prompt(tokenizer, rec.prompt, msgs, chat_template=chat_template)
+            tokens = encode_prompt(tokenizer, rec.prompt, msgs, chat_template=chat_template, system_prompt=how.system_prompt)
         except PromptStoreError as err:
             errors.append(LineError(rec.line, rec.id, str(err)))
             continue
@@ -337,6 +353,13 @@ def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, cha
             continue
         if not tokens:
             errors.append(LineError(rec.line, rec.id, "the prompt encodes to no tokens"))
+            continue
+        if how.max_tokens is not None and len(tokens) > how.max_tokens:
+            errors.append(LineError(
+                rec.line, rec.id,
+                f"the prompt is {len(tokens):,} tokens, longer than the model's context of {how.max_tokens:,}; "
+                "shorten it, or allow long prompts (--allow-long-prompt)",
+            ))
             continue
         key = tuple(tokens)
         if key in seen:
@@ -352,6 +375,8 @@ def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, cha
             if every > 0:
                 for n in range(every, len(tokens), every):
                     cuts[n] = {"checkpoint": f"every {every}"}
+            if msgs is None and how.system_prompt is not None:  # templated as these two turns
+                msgs = [{"role": "system", "content": how.system_prompt}, {"role": "user", "content": rec.prompt}]
             if msgs is not None and chat_template:
                 for n in message_boundaries(tokenizer, msgs, tokens):
                     cuts[n] = {"checkpoint": "boundary"}
@@ -387,6 +412,9 @@ def warmup(
     step: int = PREFILL_STEP,
     loaded: Optional[Tuple[Any, Any]] = None,
     model_id: Optional[str] = None,
+    options: Optional[CacheOptions] = None,
+    system_prompt: Optional[str] = None,
+    max_tokens: Optional[int] = None,
 ) -> WarmupSummary:
     """Prefill every prompt of a JSONL file (or iterable of records) and store its cache.
 
@@ -403,10 +431,18 @@ def warmup(
         progress: called as ``progress(prompts_done, prompts_total, tokens, seconds)``.
         check_batching: compare the first batch against a serial prefill of
             its most padded row and fall back to serial prefill if any bit differs.
-        step: prefill chunk length.
+        step: prefill chunk length (unless ``options`` are given).
         loaded: ``(model, tokenizer)`` already loaded from ``model_dir``.
         model_id: the identity to store under; default ``fingerprint(model_dir)``
             (the CLI passes the identity of the model with its adapter).
+        options: mlx-lm's cache options (``max_kv_size``, ``kv_bits``...,
+            ``step``), as ``promptstore put`` takes them; quantized caches
+            are prefilled one prompt at a time.
+        system_prompt: a system message before each ``prompt`` line (as
+            ``mlx_lm.generate --system-prompt``); a ``messages`` line with it
+            is a line error (put the system message in the messages).
+        max_tokens: the longest prompt allowed (the model's context); a
+            longer one is a line error. None: any length.
 
     Returns:
         A WarmupSummary; ``summary.errors`` lists each failed line.
@@ -425,14 +461,20 @@ def warmup(
     n_bad_lines = len(errors)
     model, tokenizer = loaded if loaded is not None else load_model(str(model_dir))
     model_id = model_id if model_id is not None else fingerprint(model_dir)
+    options = options if options is not None else CacheOptions(step=step)
     if checkpoints is None:
-        checkpoints = needs_checkpoints(model)
-    plans, skipped = _plan(records, tokenizer, store, model_id, chat_template, checkpoints, checkpoint_every, errors)
-    batched = batch_size > 1 and _batchable(model)
+        checkpoints = needs_checkpoints(model, options=options)
+    how = _Templating(chat_template, system_prompt, max_tokens)
+    plans, skipped = _plan(records, tokenizer, store, model_id, how, checkpoints, checkpoint_every, errors)
+    batched = batch_size > 1 and _batchable(model, options)
     note = None
     if batch_size > 1 and not batched:
-        note = "this model's cache types cannot be batched here; prefilled one prompt at a time"
-    job = _Job(store, model, model_id, batch_size, step, progress, len(plans))
+        note = (
+            "quantized KV caches (kv_bits) are prefilled one prompt at a time"
+            if options.kv_bits is not None
+            else "this model's cache types cannot be batched here; prefilled one prompt at a time"
+        )
+    job = _Job(store, model, model_id, batch_size, options, progress, len(plans))
     stopped = None
     size = batch_size if batched else 1
     groups = [plans[i : i + size] for i in range(0, len(plans), size)]
