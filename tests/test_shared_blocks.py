@@ -101,7 +101,10 @@ def test_an_older_reader_refuses_shared_entries(tmp_path, chat, monkeypatch):
     with PromptStore(tmp_path / "s", shared_blocks=True) as store:
         store.put(MODEL, tokens[:TURN], caches[0])
         monkeypatch.setattr(_entry, "FORMAT", 2)
-        with pytest.raises(UnsupportedVersion, match="entry format 3"):
+        with pytest.raises(UnsupportedVersion, match="entry format 4"):
+            store.get(MODEL, tokens[:TURN])
+        monkeypatch.setattr(_entry, "FORMAT", 3)  # the release before pack files: its blocks were in LMDB only
+        with pytest.raises(UnsupportedVersion, match="entry format 4"):
             store.get(MODEL, tokens[:TURN])
 
 

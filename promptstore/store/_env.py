@@ -132,9 +132,12 @@ class Env:
 
     # -- opening -------------------------------------------------------------
 
-    def check_format(self) -> None:
+    def check_format(self, upgrade: Optional[Callable[[lmdb.Transaction, int], None]] = None) -> None:
         """Refuse a store whose table layout is newer than this promptstore's
-        (or whose format record is damaged); record it in a new store.
+        (or whose format record is damaged); record it in a new store. An
+        older store opened for writing is brought to this layout by
+        ``upgrade(txn, its format)``, in one write transaction that also
+        records the new format; opened read-only, it is read as it is.
 
         Raises:
             UnsupportedVersion, CorruptEntry: the files are closed first.
@@ -146,11 +149,22 @@ class Env:
                 self.write(lambda t: t.put(FORMAT_KEY, U64.pack(STORE_FORMAT), db=self.db.info))
             return
         fmt = u64_or(raw, -1)
-        if fmt != STORE_FORMAT:
-            self.close()
-            if fmt > STORE_FORMAT:
-                raise UnsupportedVersion(f"{self.path}: store format {fmt} is newer than this promptstore ({STORE_FORMAT}); upgrade")
-            raise CorruptEntry(f"{self.path}: store format record is damaged")
+        if fmt == STORE_FORMAT or (1 <= fmt < STORE_FORMAT and (self.readonly or upgrade is None)):
+            return
+        if 1 <= fmt < STORE_FORMAT and upgrade is not None:
+
+            def write(txn) -> None:
+                now = u64_or(txn.get(FORMAT_KEY, db=self.db.info), -1)
+                if now < STORE_FORMAT:  # not upgraded by another process meanwhile
+                    upgrade(txn, now)
+                    txn.put(FORMAT_KEY, U64.pack(STORE_FORMAT), db=self.db.info)
+
+            self.write(write)
+            return
+        self.close()
+        if fmt > STORE_FORMAT:
+            raise UnsupportedVersion(f"{self.path}: store format {fmt} is newer than this promptstore ({STORE_FORMAT}); upgrade")
+        raise CorruptEntry(f"{self.path}: store format record is damaged")
 
     def _open_live(self) -> _Gen:
         for _ in range(20):

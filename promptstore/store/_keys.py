@@ -108,6 +108,13 @@ def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
     return out
 
 
+def extend_hash(h: int, tokens: np.ndarray) -> int:
+    """The :func:`prefix_hashes` value of a prefix (hash ``h``) followed by ``tokens``."""
+    pows, _ = _powers_upto(len(tokens) + 1)
+    with np.errstate(over="ignore"):
+        return int(np.uint64(h) * pows[len(tokens)] + prefix_hashes(tokens)[-1])
+
+
 def u32(n: int) -> bytes:
     return U32.pack(n)
 

@@ -9,7 +9,8 @@ entries     entry key                                  manifest (msgpack, see ``
 chunks      entry key + u32 chunk number               payload bytes of an entry kept in LMDB
 nodes       node key                                   u32 number of entries through the node
 ends        node key (dupsort)                         end value: u32 length, u64 hash, entry key
-segs        node key + block tokens (dupsort)          entry key (trimmable entries only)
+trims       node key + block tokens                    u32 child segments and entry ends (trimmable entries)
+segs        node key + block tokens (dupsort)          entry key (store format 1 only: dropped by the upgrade)
 used        entry key                                  f64 last use (seconds since the epoch)
 ids         entry id (16 hex digits, ASCII)            entry key
 info        ``format``, ``budget``, ``usage``,         u64
@@ -39,7 +40,7 @@ last referenced block is done. ``sizes`` counts an
 entry's own bytes (payload and manifest); ``info[usage]`` adds every stored
 block once.
 
-The prefix index (``nodes``, ``ends``, ``segs``) is explained in ``_index``.
+The prefix index (``nodes``, ``ends``, ``trims``) is explained in ``_index``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 F64 = struct.Struct(">d")
 
-STORE_FORMAT = 1  # the layout of the tables below; newer stores are refused
+STORE_FORMAT = 2  # the layout of the tables below; newer stores are refused (2: the trie index, ``trims``)
 
 ENTRIES = b"entries"
 CHUNKS = b"chunks"
@@ -67,9 +68,10 @@ BLOCKS = b"blocks"
 REFS = b"refs"
 PLACES = b"places"
 PACKS = b"packs"
-TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES, BLOCKS, REFS, PLACES, PACKS)
+TRIMS = b"trims"
+TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES, BLOCKS, REFS, PLACES, PACKS, TRIMS)
 DUPSORT = frozenset({ENDS, SEGS})
-OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS, PLACES, PACKS})  # absent from stores older than them; opened read-only, they may be missing
+OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS, PLACES, PACKS, TRIMS})  # absent from stores older than them; opened read-only, they may be missing
 
 # Keys of the ``info`` table.
 FORMAT_KEY = b"format"
@@ -168,6 +170,7 @@ class Tables:
     nodes = property(lambda self: self._handles[NODES])
     ends = property(lambda self: self._handles[ENDS])
     segs = property(lambda self: self._handles[SEGS])
+    trims = property(lambda self: self._handles[TRIMS])
     used = property(lambda self: self._handles[USED])
     ids = property(lambda self: self._handles[IDS])
     info = property(lambda self: self._handles[INFO])

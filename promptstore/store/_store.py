@@ -89,7 +89,6 @@ class PromptStore:
         self.path = Path(path).expanduser() if path is not None else default_path()
         env = Env(self.path, map_size=map_size, readonly=readonly)
         self._env: Optional[Env] = env
-        env.check_format()
         tables = env.db
         self._blobs = _blobs.Blobs(self.path)
         self._packs = _packs.Packs(self.path)
@@ -101,6 +100,7 @@ class PromptStore:
         self._catalog = Catalog(self.path, tables, self._usage)
         self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._packs, self._reader, self._writer)
         self._capacity = Capacity(self.path, env, tables, self._usage, self._catalog, self._writer, self._maintenance)
+        env.check_format(self._maintenance.upgrade_format)
         if budget is not None:
             self.set_budget(budget)
 

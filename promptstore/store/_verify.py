@@ -184,6 +184,12 @@ class Maintenance:
             now = txn.get(ekey, db=self._db.entries)
         return now is not None and now == raw
 
+    def upgrade_format(self, txn, fmt: int) -> None:
+        """Bring a store of format ``fmt`` to this one's layout (``Env.check_format``):
+        format 1 kept a per-entry prefix index; rebuild it as the trie."""
+        if fmt < 2:
+            self.rebuild_index(txn)
+
     def rebuild_index(self, txn) -> None:
         """Rebuild the prefix index from the intact manifests."""
         _index.clear(txn, self._db)

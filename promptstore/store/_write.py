@@ -237,7 +237,7 @@ class EntryWriter:
         if raw_manifest is not None:
             try:
                 man = _entry.unpack_manifest(bytes(raw_manifest), eid)
-                _index.remove(txn, db, model_of(ekey), man.tokens, _keys.prefix_hashes(man.tokens), ekey)
+                _index.remove(txn, db, model_of(ekey), man.tokens, _keys.prefix_hashes(man.tokens), ekey, man.trimmable)
             except PromptStoreError:
                 pass  # damaged manifest: its index records become harmless dead ends (its blob and blocks, leftovers)
             else:
