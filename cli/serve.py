@@ -22,11 +22,26 @@ from promptstore.serving._server import serve as run_server
     help="Checkpoints kept per conversation of a model whose cache cannot be trimmed (hybrid): "
     "the K latest plus the system prompt's; superseded ones are deleted. 0 keeps all.",
 )
+@click.option(
+    "--draft-model",
+    "draft_dir",
+    default=None,
+    metavar="DIR",
+    help="A draft model directory (same tokenizer): speculative decoding, hybrid models included. "
+    "Requests are then served one at a time, as mlx_lm.server does with a draft.",
+)
+@click.option(
+    "--num-draft-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Tokens drafted per verify round (mlx_lm.server's default: 3).",
+)
 @json_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 @guarded
-def serve(obj, model_dir, checkpoints, as_json, server_args):
+def serve(obj, model_dir, checkpoints, draft_dir, num_draft_tokens, as_json, server_args):
     """Run mlx_lm.server on MODEL with its prompt cache kept in the store.
 
     Every cache the server makes is also written to the store in the
@@ -35,6 +50,14 @@ def serve(obj, model_dir, checkpoints, as_json, server_args):
     go to mlx_lm.server (e.g. --port 8080 --prompt-cache-size 10; see
     `mlx_lm.server --help`). SIGTERM or Ctrl-C stops the server after the
     pending writes are committed; with --json their counters are printed then.
+
+    With --draft-model, requests run speculatively: the draft proposes
+    --num-draft-tokens tokens, the model verifies them in one forward. Hybrid
+    (gated-DeltaNet) layers take verify rounds instead of trim, which
+    mlx_lm.server alone refuses. Greedy output is the same as without a
+    draft. Not with logits processors (penalties, logit bias), --kv-bits,
+    images, or sliding-window models. The counters (--json) give the draft
+    tokens and the acceptance.
 
     Recurrent state cannot be shared between entries, so for a model whose
     cache cannot be trimmed each conversation keeps a bounded history: the
@@ -45,12 +68,24 @@ def serve(obj, model_dir, checkpoints, as_json, server_args):
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise click.BadParameter(f"{model_dir}: not an mlx-lm model directory (no config.json)", param_hint="--model")
-    stats = run_server(str(path), list(server_args), store=obj.store, checkpoints=checkpoints)
+    args = list(server_args)
+    if draft_dir is not None:
+        if not (Path(draft_dir) / "config.json").is_file():
+            raise click.BadParameter(f"{draft_dir}: not an mlx-lm model directory (no config.json)",
+                                     param_hint="--draft-model")
+        args += ["--draft-model", str(Path(draft_dir))]
+    if num_draft_tokens is not None:
+        args += ["--num-draft-tokens", str(num_draft_tokens)]
+    stats = run_server(str(path), args, store=obj.store, checkpoints=checkpoints)
     if as_json:
-        emit_json({"store": str(obj.store.path), "model": str(path), "cache": stats})
+        emit_json({"store": str(obj.store.path), "model": str(path), "draft_model": draft_dir, "cache": stats})
     else:
+        drafted = (
+            f", {stats.get('draft_tokens', 0)} draft tokens ({stats.get('acceptance', 0.0):.0%} accepted)"
+            if draft_dir is not None else ""
+        )
         click.echo(
             f"stopped: {stats.get('written', 0)} caches written, {stats.get('store_hits', 0)} store hits, "
-            f"{stats.get('memory_hits', 0)} memory hits, {stats.get('pending', 0)} writes lost",
+            f"{stats.get('memory_hits', 0)} memory hits, {stats.get('pending', 0)} writes lost{drafted}",
             err=True,
         )

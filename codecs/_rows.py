@@ -91,7 +91,7 @@ def check_joinable(batch_layer: Any, row_layer: Any, where: str) -> None:
     rows = rows_for_layer(batch_layer, where)
     if type(row_layer) is not rows.serial:
         raise InvalidInput(
-            f"{where}: a {type(row_layer).__name__} row cannot join a {type(batch_layer).__name__} layer "
-            f"(expected a {rows.serial.__name__})"
+            f"{where}: a {type(row_layer).__qualname__} row cannot join a {type(batch_layer).__qualname__} layer "
+            f"(expected a {rows.serial.__qualname__})"
         )
     rows.check_join(batch_layer, row_layer, where)

@@ -5,8 +5,9 @@ entry holds exactly the accepted state, and refuses a cache whose round is
 still open. Meta: per-row ``offsets``, whether the two slots are present, and
 the batch bookkeeping (``left_padding``, ``lengths``) when set.
 
-Capabilities: row moves (``row_offset``/``extract``), speculative verify
-rounds instead of trim, and an mlx-lm file as ``ArraysCache(2)``.
+Capabilities: row moves (``row_offset``/``extract``), batched warm-up
+(left-padded rows, per-row coverage), speculative verify rounds instead of
+trim, and an mlx-lm file as ``ArraysCache(2)``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ class SSMCodec(Codec):
     types = (SSMCache,)
     rows = SSMRows()
     rounds = True
+    batchable = True
     mlx_lm_class = ArraysCache
+
+    def batch_layer(self, layer, pads):
+        """Rows left-padded by ``pads``: each row's offset counts its real tokens."""
+        return SSMCache(left_padding=list(pads))
 
     def to_mlx_lm(self, layer):
         """mlx-lm resolves a file's classes by name in its own module: written

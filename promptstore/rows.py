@@ -23,7 +23,25 @@ stores directly (the tokens are exact when ``insert`` got ``all_tokens`` for
 any cache it was given).
 
 Hybrid models: ``ArraysCache`` cannot tell its coverage; a row's coverage then
-comes from its attention layers. Each layer's row moves are a capability found
+comes from its attention layers. mlx-lm's own batches (``BatchGenerator``)
+hold ``ArraysCache`` in the gated-DeltaNet layers of Qwen3-Next / Qwen3.5:
+``extract_row``/``put_row`` with ``gated=`` (one flag per layer, from
+:func:`promptstore.ssm.gated_delta_layers`, or True for every ArraysCache
+layer) turn those layers of the row into ``SSMCache`` covering the row's
+tokens, so they are stored as ``ssm.gated_delta`` with coverage. Without
+``gated`` a layer keeps its class (the batch alone cannot tell a
+gated-DeltaNet layer from another two-slot recurrent layer, e.g. Mamba2).
+
+Joining ArraysCache and SSMCache rows (:func:`merge_rows`): the running
+batch's class wins. An ``ArraysCache`` row joins an ``SSMCache`` batch layer
+as an SSMCache covering the row's tokens (known from its attention layers,
+else refused with CoverageMismatch); an ``SSMCache`` row joins an
+``ArraysCache`` batch layer (mlx-lm's) as the ``ArraysCache(2)`` it mirrors,
+pending rows folded and its coverage dropped (that batch cannot hold it).
+In a new batch, a layer where rows mix the two classes becomes ``SSMCache``.
+Both conversions share the slot arrays: the joined state is bit-identical.
+
+Each layer's row moves are a capability found
 in the codec registry by the layer's exact class (``rows_for_layer``): a class
 nobody registered, a subclass of a registered one included, is refused with
 ``MissingCapability`` (an UnknownStorageKind and an InvalidInput).
@@ -31,14 +49,21 @@ nobody registered, a subclass of a registered one included, is refused with
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
-from promptstore.codecs import encode_layer, rows_for_layer
+from promptstore.codecs import codec_for_layer, encode_layer, rows_for_layer
 from promptstore.codecs._rows import check_joinable
-from promptstore.errors import CoverageMismatch, InvalidInput
+from promptstore.errors import CoverageMismatch, InvalidInput, RoundError
+from promptstore.ssm import SSMCache
 from promptstore.store._keys import Tokens, as_tokens
+
+#: Which layers of a batch are gated-DeltaNet layers: one flag per layer
+#: (:func:`promptstore.ssm.gated_delta_layers`), True for every ArraysCache
+#: layer, or None/False for none.
+Gated = Union[None, bool, Sequence[bool]]
 
 __all__ = ["row_count", "row_coverage", "extract_row", "put_row", "merge_rows", "row_nbytes"]
 
@@ -107,7 +132,7 @@ def _eval_layers(layers: Sequence[Any]) -> None:
     mx.eval(arrays)
 
 
-def extract_row(batch_cache: Sequence[Any], row: int) -> List[Any]:
+def extract_row(batch_cache: Sequence[Any], row: int, *, gated: Gated = None) -> List[Any]:
     """Row ``row`` of every layer as a serial (B=1) cache with compact storage.
 
     Left padding and unused capacity are stripped and every array is copied
@@ -117,18 +142,60 @@ def extract_row(batch_cache: Sequence[Any], row: int) -> List[Any]:
     ``RotatingKVCache``, ``ArraysCache`` rows ``ArraysCache`` (empty slots stay
     empty), ``CacheList`` rows ``CacheList``, ``SSMCache`` rows ``SSMCache``.
 
+    Args:
+        batch_cache: the batch's per-layer caches.
+        row: the row index.
+        gated: the batch's gated-DeltaNet layers (see :data:`Gated`): their
+            ``ArraysCache`` rows become ``SSMCache`` covering the tokens the
+            row's other layers report (the same arrays, bit for bit).
+
     Raises:
-        InvalidInput: row out of range, an unsupported layer class, or a batch
-            caught between ``prepare()`` and ``finalize()``.
+        InvalidInput: row out of range, an unsupported layer class, a batch
+            caught between ``prepare()`` and ``finalize()``, or ``gated`` of
+            another length than the batch.
+        CoverageMismatch: ``gated`` asks for a conversion but no layer of the
+            row reports its coverage, or the layers that do disagree.
     """
     layers = _layers(batch_cache)
     _check_row(layers, row)
+    flags = _flags(gated, len(layers))
     out = [rows_for_layer(layer, f"layer {li}").extract(layer, row, f"layer {li}") for li, layer in enumerate(layers)]
+    if any(f and type(layer) is ArraysCache for f, layer in zip(flags, out)):
+        coverage = _known_coverage(row_coverage(layers, row), f"row {row}")
+        if coverage is None:
+            raise CoverageMismatch(
+                f"row {row}: no layer of this batch reports how many tokens the row covers, so its "
+                "gated-DeltaNet layers cannot become SSMCache; build the batch with SSMCache layers"
+            )
+        out = [SSMCache.from_arrays_cache(layer, coverage) if f and type(layer) is ArraysCache else layer
+               for f, layer in zip(flags, out)]
     _eval_layers(out)
     return out
 
 
-def put_row(store: Any, model: str, tokens: Tokens, batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None):
+def _flags(gated: Gated, n: int) -> List[bool]:
+    if gated is None or gated is False:
+        return [False] * n
+    if gated is True:
+        return [True] * n
+    if isinstance(gated, (str, bytes)) or not isinstance(gated, Sequence):
+        raise InvalidInput(f"gated: one flag per layer, True or None, got {type(gated).__name__}")
+    flags = list(gated)
+    if len(flags) != n or not all(isinstance(f, bool) for f in flags):
+        raise InvalidInput(f"gated: {len(flags)} flags for a cache of {n} layers (one bool per layer)")
+    return flags
+
+
+def _known_coverage(covs: Sequence[Optional[int]], where: str) -> Optional[int]:
+    """The one coverage the layers that can tell report (None: none can)."""
+    known = {c for c in covs if c is not None}
+    if len(known) > 1:
+        raise CoverageMismatch(f"{where}: its layers cover different numbers of tokens: {sorted(known)}")
+    return known.pop() if known else None
+
+
+def put_row(store: Any, model: str, tokens: Tokens, batch_cache: Sequence[Any], row: int,
+            meta: Optional[Dict[str, Any]] = None, *, gated: Gated = None):
     """Store row ``row`` of a running batch as a normal serial entry.
 
     The row is extracted compactly (see :func:`extract_row`), written with
@@ -144,6 +211,9 @@ def put_row(store: Any, model: str, tokens: Tokens, batch_cache: Sequence[Any], 
         batch_cache: the batch's per-layer caches.
         row: the row index, ``0 <= row < batch size``.
         meta: optional user metadata.
+        gated: the batch's gated-DeltaNet layers (see :data:`Gated`): their
+            ``ArraysCache`` rows are stored as ``ssm.gated_delta`` covering
+            ``tokens``, as every other path stores them.
 
     Returns:
         The stored entry's EntryInfo; ``nbytes`` counts only this row.
@@ -173,7 +243,7 @@ def put_row(store: Any, model: str, tokens: Tokens, batch_cache: Sequence[Any], 
                 f"row {row}: layer {li} ({_name(layers[li])}) covers {c} tokens but {n} tokens were given; "
                 "pass exactly the tokens this row has absorbed (prompt plus generated tokens fed back)"
             )
-    return store.put(model, tokens, extract_row(layers, row), meta)
+    return store.put(model, tokens, extract_row(layers, row, gated=gated), meta)
 
 
 def row_nbytes(serial_cache: Sequence[Any]) -> int:
@@ -202,8 +272,9 @@ def _check_shapes(layers: Sequence[Any], where: str) -> None:
         raise InvalidInput(f"{where}: rows disagree on recurrent state shapes or dtypes: {sorted(map(str, present))}")
 
 
-def _row_layers(rows: Sequence[Sequence[Any]], n_layers: Optional[int]) -> List[List[Any]]:
-    out = []
+def _row_layers(rows: Sequence[Sequence[Any]], n_layers: Optional[int]) -> Tuple[List[List[Any]], List[Optional[int]]]:
+    """Each row's layers, and its coverage as the layers that can tell report it."""
+    out, covered = [], []
     for r, row in enumerate(rows):
         layers = _layers(row)
         if n_layers is not None and len(layers) != n_layers:
@@ -217,11 +288,29 @@ def _row_layers(rows: Sequence[Sequence[Any]], n_layers: Optional[int]) -> List[
                 )
         if row_count(layers) != 1:
             raise InvalidInput(f"row {r} is not a serial (single-row) cache")
-        covs = {c for c in row_coverage(layers, 0) if c is not None}
-        if len(covs) > 1:
-            raise CoverageMismatch(f"row {r}: its layers cover different numbers of tokens: {sorted(covs)}")
+        covered.append(_known_coverage(row_coverage(layers, 0), f"row {r}"))
         out.append(layers)
-    return out
+    return out, covered
+
+
+def _adopt(layer: Any, want: type, coverage: Optional[int], where: str) -> Any:
+    """``layer`` as a row of class ``want`` where ArraysCache and SSMCache meet
+    (the module docstring's rule); any other layer unchanged, for the caller's
+    checks to refuse."""
+    if type(layer) is want:
+        return layer
+    if want is SSMCache and type(layer) is ArraysCache:
+        if coverage is None:
+            raise CoverageMismatch(
+                f"{where}: an ArraysCache row joins SSMCache rows as an SSMCache, which needs its "
+                "coverage, and no layer of the row reports one"
+            )
+        return SSMCache.from_arrays_cache(layer, coverage)
+    if want is ArraysCache and type(layer) is SSMCache:
+        if layer.in_round:
+            raise RoundError(f"{where}: the SSMCache row has an open verify round; commit() or rollback() it first")
+        return codec_for_layer(layer).to_mlx_lm(layer)
+    return layer
 
 
 def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any]]) -> List[Any]:
@@ -234,18 +323,34 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
     through mlx-lm's own ``merge``/``extend``, so the batch stays a normal
     mlx-lm batch. Call between forward calls.
 
+    ArraysCache and SSMCache rows meet by the rule of the module docstring:
+    the batch layer's class wins (an SSMCache one in a new batch), through
+    conversions that share the slot arrays, so the joined state is bit-exact.
+
     Raises:
         InvalidInput: no rows, layer counts or classes that do not match, a
             row that holds more than one row, or KV shapes that disagree.
-        CoverageMismatch: a row's layers disagree on its coverage.
+        CoverageMismatch: a row's layers disagree on its coverage, or an
+            ArraysCache row that must become an SSMCache has no layer that
+            reports its coverage.
+        RoundError: an SSMCache row that must become an ArraysCache has an
+            open verify round.
     """
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not rows:
         raise InvalidInput("merge_rows needs a non-empty list of serial caches")
     batch = None if batch_cache is None else _layers(batch_cache)
-    row_layers = _row_layers(rows, None if batch is None else len(batch))
+    row_layers, covered = _row_layers(rows, None if batch is None else len(batch))
     n_layers = len(row_layers[0])
     for li in range(n_layers):
         where = f"layer {li}"
+        if batch is not None:
+            want: Optional[type] = rows_for_layer(batch[li], where).serial
+        else:
+            classes = {type(r[li]) for r in row_layers}
+            want = SSMCache if classes == {SSMCache, ArraysCache} else None
+        if want is not None:
+            for r, row_layer in enumerate(row_layers):
+                row_layer[li] = _adopt(row_layer[li], want, covered[r], f"{where} (row {r})")
         per_row = [r[li] for r in row_layers]
         ref = batch[li] if batch is not None else per_row[0]
         for r, layer in enumerate(per_row):

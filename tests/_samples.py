@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 from _bits import bits_equal
+from promptstore.ssm import SSMCache
 
 
 def det(shape, dtype=mx.bfloat16, seed: int = 0) -> mx.array:
@@ -94,8 +95,6 @@ def arrays_samples() -> List[Any]:
 
 
 def ssm_samples() -> List[Any]:
-    from promptstore.ssm import SSMCache
-
     return [
         SSMCache.from_parts(det((1, 3, 24), mx.bfloat16, 21), det((1, 2, 8, 8), mx.float32, 22), [37]),
         SSMCache.from_parts(det((1, 3, 64), mx.float32, 23), det((1, 4, 16, 16), mx.float32, 24), [300]),
@@ -133,7 +132,8 @@ def visible_state(layer) -> Dict[str, Any]:
     if isinstance(layer, CacheList):
         out["inner"] = [visible_state(c) for c in layer.caches]
         return out
-    if type(layer).__name__ == "SSMCache":
+    # exact class: SSMCache is named "ArraysCache" for mlx-lm's file format
+    if type(layer) is SSMCache:
         out["slots"] = [layer[0], layer[1]]
         out["offsets"] = layer.offsets
         return out
@@ -179,7 +179,7 @@ def assert_same(a, b, path="layer") -> None:
 
 def continue_both(a, b) -> None:
     """Feed the same new step to two layers and require identical outputs."""
-    if isinstance(a, ArraysCache) or type(a).__name__ == "SSMCache":
+    if isinstance(a, ArraysCache) or type(a) is SSMCache:
         return
     if isinstance(a, CacheList):
         for x, y in zip(a.caches, b.caches):

@@ -102,7 +102,7 @@ DECLARED = {
     "kv.concat": (None, False, False, False, ConcatenateKVCache),
     "arrays": (ArraysCache, True, False, False, ArraysCache),
     "list": (CacheList, False, False, False, CacheList),
-    "ssm.gated_delta": (SSMCache, False, False, True, ArraysCache),
+    "ssm.gated_delta": (SSMCache, True, False, True, ArraysCache),  # batched warm-up
 }
 
 

@@ -219,7 +219,10 @@ def test_stats_counts_entries_bytes_models_kinds_hits_and_misses(cli):
     assert (doc["hits"], doc["misses"]) == (2, 1) and abs(doc["hit_rate"] - 2 / 3) < 1e-12
     assert {m["name"]: m["entries"] for m in doc["models"].values()} == {"llama": 1, "qwen3_next": 1}
     assert doc["models"][a["model"]]["bytes"] == a["bytes"]
-    assert doc["kinds"]["kv"]["entries"] == 2 and doc["kinds"]["arrays"]["entries"] == 1
+    # put stores qwen3_next's gated-DeltaNet layers as ssm.gated_delta, never mlx-lm's arrays
+    assert doc["kinds"]["kv"]["entries"] == 2 and doc["kinds"]["ssm.gated_delta"]["entries"] == 1
+    assert "arrays" not in doc["kinds"]
+    assert doc["kinds"]["ssm.gated_delta"]["layers"] == b["kinds"].count("ssm.gated_delta") > 0
     assert doc["kinds"]["kv"]["layers"] == 2 + b["kinds"].count("kv")
     human = cli("stats").stdout
     assert "2 hits, 1 misses" in human and "llama" in human and human.strip().endswith(f"2 entries, {human.split()[-2]} {human.split()[-1]}")

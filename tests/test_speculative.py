@@ -94,6 +94,36 @@ def test_caches_cover_prompt_and_tokens_but_the_last():
     assert bits_equal(target(last, cache=cache), plain(last, cache=ref)).item()
 
 
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_stop_tokens_and_absorb_last_leave_caches_over_every_yielded_token(arch):
+    """What a serving loop needs: generation ends at the first stop token, and
+    the caches cover the prompt and every yielded token (the last one too)."""
+    plain, target, draft = models(arch)
+    ref = greedy_reference(arch)
+    k = next(i for i in range(5, len(ref)) if ref[i] not in ref[:i])
+    for stop, want in (({ref[k]}, ref[: k + 1]), (None, ref)):
+        cache, dcache = make_prompt_cache(target), make_prompt_cache(draft)
+        prefilled = []
+        tokens = [
+            t
+            for t, _, _ in speculative_generate_step(
+                mx.array(PROMPT), target, draft, num_draft_tokens=3, max_tokens=MAX_TOKENS,
+                prompt_cache=cache, draft_cache=dcache, stop_tokens=stop, absorb_last=True,
+                on_prefilled=lambda: prefilled.append([c.offset for c in cache + dcache]),
+            )
+        ]
+        assert tokens == want
+        assert prefilled == [[len(PROMPT) - 1] * 8]
+        covered = len(PROMPT) + len(tokens)
+        assert [c.offset for c in cache + dcache] == [covered] * 8
+        assert not any(c.in_round for c in cache + dcache if isinstance(c, SSMCache))
+        # continuing from the speculative caches equals continuing the greedy run
+        ref_cache = mlx_make_prompt_cache(plain)
+        plain(mx.array([PROMPT + tokens]), cache=ref_cache)
+        x = mx.array([[33]])
+        assert bits_equal(target(x, cache=cache), plain(x, cache=ref_cache)).item()
+
+
 def test_a_sampling_sampler_runs_and_keeps_caches_consistent():
     _, target, draft = models("qwen3_next")
     mx.random.seed(11)

@@ -187,7 +187,7 @@ def test_persisted_pending_cache_continues_like_the_uninterrupted_run(arch, tmp_
         store.put("m@test", tokens, saved)
     with PromptStore(tmp_path / "s") as store:
         restored = store.get("m@test", tokens)
-    assert [type(c).__name__ for c in restored] == ["SSMCache", "KVCache", "SSMCache", "KVCache"]
+    assert [type(c).__qualname__ for c in restored] == ["SSMCache", "KVCache", "SSMCache", "KVCache"]
     assert restored[0].offset == len(tokens) and not restored[0].has_pending
 
     plain = make_prompt_cache(model)  # the run that never speculated

@@ -5,6 +5,7 @@
 * ``_writer``: the background writer that keeps the serving loop off the disk;
 * ``_history``: the bounded checkpoint history of caches that cannot be trimmed;
 * ``_server``: ``promptstore serve``, mlx-lm's HTTP server with this cache.
+* ``_speculative``: ``serve --draft-model``: speculative requests through verify rounds (hybrids too).
 
 Checkpoint history. KV layers are stored as shared blocks, so the entries of
 a growing conversation store each token's KV once; recurrent state (hybrid

@@ -32,6 +32,18 @@ entries, trimmable entries and entries written by anyone else are never
 touched (the policy in full: ``promptstore.serving._history``). The memory
 tier is left to its own LRU.
 
+Hybrid models: mlx-lm's server makes ``ArraysCache`` for gated-DeltaNet
+layers, which cannot tell how many tokens they hold. At insert those layers
+become SSMCache covering the tokens given, so the store keeps them as
+``ssm.gated_delta`` with coverage; a stored ``arrays`` entry of such a model
+(written before) is converted the same way when it is read, and rewritten
+as ``ssm.gated_delta``. Which layers are gated-DeltaNet: ``gated_layers``
+(``promptstore serve`` asks the loaded models), else the model directories'
+``config.json`` (:func:`promptstore.ssm.is_gated_delta_model_dir`). Caches
+handed back to the caller hold mlx-lm's ArraysCache in those layers (mlx-lm's
+server batches them with fresh caches of its own), or SSMCache with
+``ssm_layers=True``.
+
 Damaged or incompatible stored entries are logged and treated as misses;
 no error of the cache ever reaches the serving loop.
 """
@@ -44,10 +56,12 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from promptstore.codecs import codec_for_layer
+from promptstore.ssm import SSMCache, is_gated_delta_model_dir, to_ssm
 from promptstore.store import _keys
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, SOURCE, History, checkpoint_limit
 from promptstore.serving._memory import MemEntry, MemoryTier, checkout, view
@@ -125,6 +139,15 @@ class PersistentPromptCache:
             prompt plus the answer). 0 or None keeps every checkpoint.
             Pruning runs on the writer thread and its errors are logged.
             The memory tier is not pruned: it has its own LRU and budgets.
+        gated_layers: maps a model key to one flag per layer of its caches
+            (True: a gated-DeltaNet layer, whose ArraysCache becomes an
+            SSMCache), True for every ArraysCache layer, or None for none.
+            Default: True when every model directory of the key is of a
+            gated-DeltaNet type (:data:`promptstore.ssm.GATED_DELTA_MODEL_TYPES`),
+            else None.
+        ssm_layers: hand fetched caches out with SSMCache in gated-DeltaNet
+            layers (for loops that run verify rounds); default mlx-lm's
+            ArraysCache, which mlx-lm's server batches with its own.
 
     Raises:
         InvalidInput: ``checkpoints`` is not None or an integer >= 0.
@@ -143,8 +166,13 @@ class PersistentPromptCache:
         persist: bool = True,
         max_pending_bytes: int = 4 << 30,
         checkpoints: Optional[int] = DEFAULT_CHECKPOINTS,
+        gated_layers: Optional[Callable[[Any], Union[None, bool, Sequence[bool]]]] = None,
+        ssm_layers: bool = False,
     ):
         keep = checkpoint_limit(checkpoints)  # before opening anything
+        self._gated_layers = gated_layers or gated_by_config
+        self._flags: Dict[Any, Union[None, bool, Sequence[bool]]] = {}
+        self.ssm_layers = ssm_layers
         self._owns_store = not isinstance(store, PromptStore)
         self.store = store if isinstance(store, PromptStore) else PromptStore(store)
         self._memory = MemoryTier(max_size, max_bytes if max_bytes is not None else 1 << 63)
@@ -219,14 +247,19 @@ class PersistentPromptCache:
         if ident is not None and m < len(q) and not self._closed and self.store.peek(ident, q) > m:
             hit = self.store.lookup(ident, q)
             if hit is not None and hit.matched > m:
-                layers, nbytes, trimmable = view(hit.cache, hit.matched)
+                cache = self._to_ssm(model, hit.cache, hit.matched)
+                layers, nbytes, trimmable = view(cache, hit.matched)
                 ctype = hit.info.meta.get("cache_type") if isinstance(hit.info.meta, dict) else None
                 entry = MemEntry(mkey, q[: hit.matched].copy(), layers, nbytes,
                                  ctype if ctype in CACHE_TYPES else "assistant", trimmable, True)
                 self._memory.add(entry)
                 self._remember(ident, entry.tokens)
                 self._count("store_hits")
-                return checkout(layers, True), toks[hit.matched:]
+                if any(a is not b for a, b in zip(cache, hit.cache)) and self.persist and hit.matched == hit.info.n_tokens:
+                    # An ``arrays`` entry written before: rewritten as ``ssm.gated_delta``.
+                    meta = dict(hit.info.meta) if isinstance(hit.info.meta, dict) else {}
+                    self._writer.submit(Job(ident, entry.tokens, layers, nbytes, meta, replace=True))
+                return self._hand_out(checkout(layers, True)), toks[hit.matched:]
         if found is None:
             self._count("misses")
             return None, toks
@@ -237,7 +270,7 @@ class PersistentPromptCache:
 
             trim_prompt_cache(cache, len(entry.tokens) - c)
         self._count("memory_hits")
-        return cache, toks[c:]
+        return self._hand_out(cache), toks[c:]
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *, cache_type: str = "assistant") -> None:
         """Hold ``prompt_cache`` (covering exactly ``tokens``) and persist it in the background.
@@ -259,6 +292,7 @@ class PersistentPromptCache:
         toks = _keys.as_tokens(list(tokens)).astype(np.int64)
         ident = self._identity(model)
         mkey = ident if ident is not None else ("memory-only", model)
+        prompt_cache = self._to_ssm(model, prompt_cache, len(toks))
         try:
             layers, nbytes, trimmable = view(prompt_cache, len(toks))
             viewable = True
@@ -332,6 +366,31 @@ class PersistentPromptCache:
 
     # -- helpers -------------------------------------------------------------------
 
+    def _to_ssm(self, model: Any, cache: List[Any], coverage: int) -> List[Any]:
+        """``cache`` with its gated-DeltaNet ArraysCache layers as SSMCache
+        covering ``coverage`` tokens (the same list when there are none)."""
+        try:
+            flags = self._flags[model]
+        except KeyError:
+            flags = self._flags[model] = self._gated_layers(model)
+        except TypeError:  # unhashable key
+            flags = self._gated_layers(model)
+        if flags is None or flags is False:
+            return cache
+        if flags is True:
+            return to_ssm(cache, coverage)
+        if len(flags) != len(cache):
+            log.warning("promptstore: %d layer flags for a cache of %d layers; gated-DeltaNet layers not converted",
+                        len(flags), len(cache))
+            return cache
+        return to_ssm(cache, coverage, flags)
+
+    def _hand_out(self, cache: List[Any]) -> List[Any]:
+        """What fetch returns: SSMCache layers as mlx-lm's ArraysCache unless ``ssm_layers``."""
+        if self.ssm_layers:
+            return cache
+        return [codec_for_layer(c).to_mlx_lm(c) if type(c) is SSMCache else c for c in cache]
+
     def _count(self, what: str) -> None:
         with self._lock:
             self._counts[what] += 1
@@ -380,3 +439,17 @@ class PersistentPromptCache:
     def _written(self, job: Job, info: EntryInfo) -> None:
         """On the writer thread, after a commit: bound the checkpoint history."""
         self._history.prune(job.tokens, info)
+
+
+
+def gated_by_config(key: Any) -> Union[None, bool, Sequence[bool]]:
+    """Default ``gated_layers``: True (every ArraysCache layer is gated-DeltaNet)
+    when every model directory of ``key`` is of such a type, else None."""
+    if isinstance(key, tuple):
+        path, _, draft = (tuple(key) + (None, None, None))[:3]
+        paths = [path] if draft is None else [path, draft]
+    else:
+        paths = [key]
+    if all(isinstance(p, (str, os.PathLike)) and is_gated_delta_model_dir(p) for p in paths):
+        return True
+    return None

@@ -5,7 +5,12 @@
 itself and offers no way to pass one in. So, for the duration of ``main()``
 only, ``mlx_lm.server.run`` is replaced by :func:`_run`, which does what
 mlx-lm's ``run`` does with our cache instead, and flushes the cache when the
-HTTP server stops. Nothing else of mlx-lm is changed. SIGTERM stops the
+HTTP server stops. With a draft model (``--draft-model``), mlx-lm's server
+serves requests one at a time through ``stream_generate``, whose speculative
+step refuses hybrid caches; for the same duration ``mlx_lm.server.stream_generate``
+is :func:`promptstore.serving._speculative.make_stream_generate`'s, which serves
+them through verify rounds (requests without a draft still go to mlx-lm's
+own). Nothing else of mlx-lm is changed. SIGTERM stops the
 server the way Ctrl-C does (mlx-lm handles KeyboardInterrupt by shutting the
 HTTP server down and joining its generation thread), so pending writes are
 committed before the process exits. SIGKILL loses only the writes not yet
@@ -18,10 +23,12 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from promptstore.serving._cache import PersistentPromptCache
+from promptstore.serving._cache import PersistentPromptCache, gated_by_config
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, checkpoint_limit
+from promptstore.serving._speculative import DraftCounters, make_stream_generate
+from promptstore.ssm import gated_delta_layers
 from promptstore.store import PromptStore
 
 __all__ = ["serve"]
@@ -44,7 +51,10 @@ def serve(model_dir: str, server_args: Sequence[str] = (), store: Optional[Promp
             0 or None keeps every checkpoint.
 
     Returns:
-        The cache's counters (:meth:`PersistentPromptCache.stats`) at exit.
+        The cache's counters (:meth:`PersistentPromptCache.stats`) at exit,
+        plus the speculative ones (:meth:`DraftCounters.snapshot`: requests,
+        rounds, draft tokens, accepted draft tokens, acceptance; all 0
+        without ``--draft-model``).
 
     Raises:
         InvalidInput: ``checkpoints`` is not None or an integer >= 0 (before
@@ -58,10 +68,12 @@ def serve(model_dir: str, server_args: Sequence[str] = (), store: Optional[Promp
     out: Dict[str, Any] = stats if stats is not None else {}
     argv = ["mlx_lm.server", "--model", str(model_dir), *server_args]
 
-    def run(host: str, port: int, model_provider, *args, **kwargs) -> None:
-        _run(mlx_server, host, port, model_provider, store, out, keep)
+    counters = DraftCounters()
 
-    saved_run, saved_argv = mlx_server.run, sys.argv
+    def run(host: str, port: int, model_provider, *args, **kwargs) -> None:
+        _run(mlx_server, host, port, model_provider, store, out, keep, counters)
+
+    saved_run, saved_argv, saved_stream = mlx_server.run, sys.argv, mlx_server.stream_generate
     stopping = threading.Event()
 
     def on_term(signum, frame):
@@ -78,24 +90,30 @@ def serve(model_dir: str, server_args: Sequence[str] = (), store: Optional[Promp
     except KeyboardInterrupt:  # before the HTTP server ran (e.g. during model load)
         pass
     finally:
-        mlx_server.run, sys.argv = saved_run, saved_argv
+        mlx_server.run, sys.argv, mlx_server.stream_generate = saved_run, saved_argv, saved_stream
         signal.signal(signal.SIGTERM, saved_term)
+        out.update(counters.snapshot())
     return out
 
 
 def _run(mlx_server, host: str, port: int, model_provider, store: Optional[PromptStore], out: Dict[str, Any],
-         checkpoints: int = DEFAULT_CHECKPOINTS) -> None:
-    """mlx-lm's ``run`` with a PersistentPromptCache in place of LRUPromptCache."""
+         checkpoints: int = DEFAULT_CHECKPOINTS, counters: Optional[DraftCounters] = None) -> None:
+    """mlx-lm's ``run`` with a PersistentPromptCache in place of LRUPromptCache
+    (and, inside it, speculative requests served by our ``stream_generate``)."""
     import mlx.core as mx
 
     cli = model_provider.cli_args
     cache = PersistentPromptCache(store, max_size=cli.prompt_cache_size, max_bytes=cli.prompt_cache_bytes,
-                                  checkpoints=checkpoints)
+                                  checkpoints=checkpoints, gated_layers=_gated_layers(model_provider))
     log.info("promptstore: persistent prompt cache in %s (checkpoint history: %s)", cache.store.path,
              cache.checkpoints or "unbounded")
+    fetches = _Fetches(cache)
+    mlx_server.stream_generate = make_stream_generate(
+        mlx_server.stream_generate, counters if counters is not None else DraftCounters(), fetches.checkpoint
+    )
     try:
         group = mx.distributed.init()
-        generator = _generator_class(mlx_server)(model_provider, cache)
+        generator = _generator_class(mlx_server)(model_provider, fetches)
         try:
             if group.rank() == 0:
                 mlx_server._run_http_server(host, port, generator)
@@ -107,6 +125,51 @@ def _run(mlx_server, host: str, port: int, model_provider, store: Optional[Promp
         cache.close()
         out.update(cache.stats())
         log.info("promptstore: prompt cache closed: %s", out)
+
+
+class _Fetches:
+    """The PersistentPromptCache as the server sees it, remembering on each
+    thread the model key and prompt of its last ``fetch_nearest_cache``, so
+    that a speculative request can checkpoint its prompt (mlx-lm's
+    ``_serve_single`` caches only prompt + answer)."""
+
+    def __init__(self, cache: PersistentPromptCache):
+        self._cache = cache
+        self._last = threading.local()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        self._last.query = (model, list(tokens))
+        return self._cache.fetch_nearest_cache(model, tokens)
+
+    def checkpoint(self, layers: List[Any]) -> None:
+        """Insert ``layers`` as the ``user`` checkpoint of the last fetched
+        prompt (all but its last token); refused, logged, if they cover other."""
+        query = getattr(self._last, "query", None)
+        if query is not None and len(query[1]) > 1:
+            self._cache.insert_cache(query[0], query[1][:-1], layers, cache_type="user")
+
+
+def _gated_layers(model_provider) -> Callable[[Any], Union[None, bool, Sequence[bool]]]:
+    """The gated-DeltaNet layers of the caches of a model key, asked of the
+    models the server has loaded (the target's layers, then the draft's);
+    for another key, from the model directories' config."""
+
+    def flags(key: Any) -> Union[None, bool, Sequence[bool]]:
+        model = model_provider.model
+        if model is None or key != model_provider.model_key:
+            return gated_by_config(key)
+        out = gated_delta_layers(model)
+        if model_provider.draft_model is not None:
+            out += gated_delta_layers(model_provider.draft_model)
+        return out
+
+    return flags
 
 
 def _generator_class(mlx_server):

@@ -37,6 +37,7 @@ class Job:
     cache: List[Any]
     nbytes: int
     meta: Dict[str, Any]
+    replace: bool = False  # rewrite a stored entry (an older representation) instead of skipping it
 
 
 class Writer:
@@ -138,10 +139,12 @@ class Writer:
     def _write(self, job: Job) -> None:
         start = time.perf_counter()
         try:
-            if self.store.exists(job.model, job.tokens):  # e.g. re-inserted after a restart
+            if not job.replace and self.store.exists(job.model, job.tokens):  # e.g. re-inserted after a restart
                 self.skipped += 1
                 return
-            info = self.store.put(job.model, job.tokens, job.cache, meta=job.meta)
+            # The serving loop hands over a cache with the tokens it absorbed:
+            # the coverage is known even when no layer can tell it.
+            info = self.store.put(job.model, job.tokens, job.cache, meta=job.meta, coverage=len(job.tokens))
             self.written += 1
         except PromptStoreError as err:
             self.failed += 1

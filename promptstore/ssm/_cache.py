@@ -24,7 +24,7 @@ Rounds need the recurrence to go through the cache (``recur_window`` /
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Union, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -35,7 +35,7 @@ from promptstore.ssm._adapter import adapt, is_gated_delta_layer, unadapt
 from promptstore.ssm._round import RoundError, Rounds, as_list, is_int
 from promptstore.errors import InvalidInput
 
-__all__ = ["SSMCache", "RoundError", "make_prompt_cache", "adapt", "unadapt"]
+__all__ = ["SSMCache", "SSMState", "RoundError", "make_prompt_cache", "adapt", "unadapt"]
 
 class SSMCache(Rounds):
     """Recurrent cache of one gated-DeltaNet layer, serial (B=1) or batched.
@@ -133,22 +133,50 @@ class SSMCache(Rounds):
         self._left_padding = as_list(value)
 
     @property
-    def state(self):
-        """``(slots, left_padding, lengths)`` as ArraysCache; folds pending rows first."""
-        return self.cache, self.left_padding, self.lengths
+    def state(self) -> "SSMState":
+        """``(slots, left_padding, lengths)`` as ArraysCache, carrying the per-row
+        coverage as ``.offsets``; folds pending rows first.
+
+        It is a 3-tuple, so mlx-lm's ``ArraysCache.from_state`` and
+        ``save_prompt_cache`` take it as they take an ArraysCache's state.
+        """
+        return SSMState((self.cache, self.left_padding, self.lengths), offsets=list(self._offsets))
 
     @state.setter
     def state(self, v) -> None:
-        # mlx-lm's state protocol carries no coverage: offsets survive only
-        # when the batch size is unchanged.
-        slots, left_padding, lengths = v
-        self._round = self._pending = None
-        self._slots = list(slots)
+        """Replace the slots. Coverage comes from ``v.offsets`` when ``v`` is an
+        SSMCache's state; a plain ArraysCache state carries none, so the offsets
+        are kept when the row count is unchanged, else reset to 0.
+
+        Raises:
+            RoundError: a speculative round is open (setting the slots would
+                drop it silently).
+            InvalidInput: not three fields, or offsets that disagree with the rows.
+        """
+        self._check_no_round("setting SSMCache.state")
+        try:
+            slots, left_padding, lengths = v
+        except (TypeError, ValueError) as err:
+            raise InvalidInput(
+                f"SSMCache.state takes (slots, left_padding, lengths), got {type(v).__name__}"
+            ) from err
+        slots = list(slots)
+        if len(slots) != 2:
+            raise InvalidInput(f"SSMCache.state takes two slots (conv, recurrent state), got {len(slots)}")
+        b = next((s.shape[0] for s in slots if s is not None), None)
+        offsets = getattr(v, "offsets", None)
+        if offsets is not None:
+            offsets = list(offsets)
+            if not offsets or not all(is_int(o) and o >= 0 for o in offsets) or (b is not None and b != len(offsets)):
+                raise InvalidInput(f"SSMCache.state: offsets {offsets!r} do not fit slots of {b} rows")
+        elif b is not None and b != len(self._offsets):
+            offsets = [0] * b
+        self._pending = None
+        self._slots = slots
         self._left_padding = as_list(left_padding)
         self._lengths = as_list(lengths)
-        b = next((s.shape[0] for s in self._slots if s is not None), None)
-        if b is not None and b != len(self._offsets):
-            self._offsets = [0] * b
+        if offsets is not None:
+            self._offsets = offsets
 
     @classmethod
     def from_parts(
@@ -185,9 +213,39 @@ class SSMCache(Rounds):
 
     @classmethod
     def from_state(cls, state) -> "SSMCache":
+        """The cache whose ``state`` is ``state``; the coverage comes with an
+        SSMCache's state (a plain ArraysCache state has none: use
+        :meth:`from_arrays_cache` and give it)."""
         obj = cls()
         obj.state = state
         return obj
+
+    @classmethod
+    def from_arrays_cache(cls, layer: ArraysCache, offsets: Union[int, Sequence[int]]) -> "SSMCache":
+        """mlx-lm's ``ArraysCache(2)`` of a gated-DeltaNet layer as an SSMCache
+        covering ``offsets`` tokens (one int for every row, or one per row).
+        The slot arrays are shared, not copied.
+
+        Raises:
+            InvalidInput: not an ArraysCache of two slots, only one slot
+                filled, empty slots with a coverage above 0, a batch caught
+                between prepare() and finalize(), or offsets that do not fit
+                its rows.
+        """
+        if type(layer) is not ArraysCache or len(layer.cache) != 2:
+            raise InvalidInput(
+                f"SSMCache.from_arrays_cache takes mlx-lm's ArraysCache of two slots, got {layer!r}"
+            )
+        if layer.lengths is not None:
+            raise InvalidInput("SSMCache.from_arrays_cache: the batch is between prepare() and finalize()")
+        conv, state = layer.cache
+        rows = int(layer.batch_size)
+        offs = [offsets] * rows if is_int(offsets) else list(cast(Sequence[int], offsets))
+        if conv is None and any(o != 0 for o in offs if is_int(o)):
+            raise InvalidInput(
+                f"SSMCache.from_arrays_cache: an empty ArraysCache cannot cover {offs} tokens"
+            )
+        return cls.from_parts(conv, state, offs, left_padding=as_list(layer.left_padding))
 
     def is_trimmable(self) -> bool:
         """False: a recurrent state cannot drop tokens; use rounds instead."""
@@ -386,6 +444,28 @@ class SSMCache(Rounds):
     # -- speculative rounds ------------------------------------------------------
     def __repr__(self) -> str:
         return f"SSMCache(rows={self.batch_size}, offsets={self._offsets}, in_round={self.in_round})"
+
+
+class SSMState(tuple):
+    """An SSMCache's ``state``: ArraysCache's ``(slots, left_padding, lengths)``
+    plus the per-row coverage as ``offsets`` (None: unknown, as in a state
+    that mlx-lm's own classes produce). mlx-lm's tree utilities rebuild it
+    with the coverage dropped, which a state setter then treats as unknown."""
+
+    offsets: Optional[List[int]]
+
+    def __new__(cls, fields: Any = (), offsets: Optional[List[int]] = None) -> "SSMState":
+        obj = super().__new__(cls, fields)
+        obj.offsets = offsets
+        return obj
+
+
+# mlx-lm's save_prompt_cache names each layer by ``type(layer).__name__`` and
+# load_prompt_cache resolves that name in mlx-lm's own cache module: an
+# SSMCache is written as the ArraysCache(2) it mirrors (its state is that
+# class's 3-tuple), so any mlx-lm reads the file back, as ArraysCache. The
+# qualified name (repr, pickling, promptstore's error messages) stays SSMCache.
+SSMCache.__name__ = "ArraysCache"
 
 
 def make_prompt_cache(model: Any, max_kv_size: Optional[int] = None) -> List[Any]:

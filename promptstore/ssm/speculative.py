@@ -9,14 +9,18 @@ in mlx-lm. The target model verifies ``num_draft + 1`` tokens in one window; the
 draft model records its own decode steps in a round of its own.
 
 Invariant: when the generator is exhausted, both caches cover the prompt and
-every yielded token but the last (the same state plain generation leaves). A
-consumer that stops early leaves them covering the whole current round.
+every yielded token but the last (the same state plain generation leaves);
+with ``absorb_last=True`` the last one too (what mlx-lm's ``generate_step``
+leaves once its consumer stops: its pipeline has fed every token it
+yielded). Generation ends at ``max_tokens`` or after the first of
+``stop_tokens``. A consumer that stops early leaves them covering the whole
+current round.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, List, Optional, Tuple, cast
+from typing import Any, Callable, Collection, Generator, List, Optional, Tuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -131,6 +135,9 @@ def speculative_generate_step(
     draft_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 512,
     stats: Optional[SpeculativeStats] = None,
+    stop_tokens: Optional[Collection[int]] = None,
+    absorb_last: bool = False,
+    on_prefilled: Optional[Callable[[], None]] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Generate tokens speculatively; mlx-lm's ``speculative_generate_step`` contract.
 
@@ -148,6 +155,15 @@ def speculative_generate_step(
             fresh ones from :func:`promptstore.ssm.make_prompt_cache` by default.
         prefill_step_size: prompt tokens per prefill forward.
         stats: filled with round, drafted and accepted counts as generation runs.
+        stop_tokens: token ids (e.g. EOS) that end generation: the round that
+            produces one yields up to and including it, and its caches keep
+            no position past it.
+        absorb_last: before the last round's tokens are yielded, feed its last
+            token to both models, so that at the end both caches cover the
+            prompt and every yielded token (a serving loop stores them
+            under exactly those tokens).
+        on_prefilled: called once both caches cover the prompt but its last
+            token (e.g. to checkpoint them), before the first round.
 
     Yields:
         ``(token, logprobs, from_draft)`` per generated token.
@@ -169,6 +185,7 @@ def speculative_generate_step(
     _check_cache(draft_cache, "draft")
     sampler = sampler or _greedy
     stats = stats if stats is not None else SpeculativeStats()
+    stop = frozenset(stop_tokens or ())
 
     def sample(logits: mx.array) -> Tuple[mx.array, mx.array]:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -177,6 +194,8 @@ def speculative_generate_step(
     prompt = prompt.astype(mx.uint32)
     draft_y = _prefill(draft_model, draft_cache, prompt, prefill_step_size)
     y = _prefill(model, model_cache, prompt, prefill_step_size)
+    if on_prefilled is not None:
+        on_prefilled()
 
     ntoks = 0
     while ntoks < max_tokens:
@@ -204,6 +223,10 @@ def speculative_generate_step(
         while n < num_draft and tokens[n] == draft_list[n]:
             n += 1
         emit = min(n + 1, max_tokens - ntoks)
+        stop_at = next((j for j in range(emit) if tokens[j] in stop), None)
+        if stop_at is not None:
+            emit = stop_at + 1
+        final = stop_at is not None or ntoks + emit == max_tokens
         # Target covers y + emitted[:-1]; the draft as much of that as it has seen.
         _resolve(model_cache, num_draft + 1, emit)
         draft_keep = min(emit - 1, num_draft - 1)
@@ -215,12 +238,19 @@ def speculative_generate_step(
 
         y = mx.array(tokens[emit - 1 : emit], mx.uint32)
         draft_y = mx.array(tokens[draft_keep:emit], mx.uint32)
-        if ntoks + emit == max_tokens and draft_y.size > 1:
+        if final and absorb_last:
+            # Before yielding: a consumer stops at the last token and never resumes us.
+            model(y[None], cache=model_cache)
+            draft_model(draft_y[None], cache=draft_cache)
+            mx.eval([c.state for c in model_cache + draft_cache])
+        elif final and draft_y.size > 1:
             # Last round: let the draft catch up so both caches end where greedy would.
             draft_model(draft_y[:-1][None], cache=draft_cache)
         for j in range(emit):
             ntoks += 1
             yield tokens[j], logprobs[j], j < n
+        if final:
+            return
 
 
 def speculative_generate(

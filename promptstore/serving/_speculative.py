@@ -1,0 +1,183 @@
+"""Speculative decoding inside mlx-lm's server, for hybrid (gated-DeltaNet) models too.
+
+mlx-lm's server, given ``--draft-model``, serves every request alone
+(``_serve_single``: a draft makes its model provider unbatchable) through
+``stream_generate(..., draft_model=...)``, whose speculative step refuses a
+cache that cannot trim (mlx-lm #1446), i.e. every hybrid. :func:`stream_generate`
+here takes its place in the server: without a draft it is mlx-lm's own; with
+one it runs :func:`promptstore.ssm.speculative.speculative_generate_step`, whose
+gated-DeltaNet layers (SSMCache) take verify rounds instead of trim.
+
+The server hands over one list: the target's layers, then the draft's. Their
+gated-DeltaNet ``ArraysCache`` layers (a fresh cache, or one the persistent
+cache handed out) are replaced, in that same list, by SSMCache covering what
+the layers that can tell report, so the list the server inserts afterwards
+holds the state that generation reached. Both models absorb the last token
+before it is yielded, so the cache covers the prompt and every generated
+token: the tokens the server inserts it under. A request stopped mid-round
+(a stop string, a client gone) leaves the round's extra positions in the
+cache; the persistent cache then refuses it (coverage mismatch), nothing
+wrong is stored.
+
+Refused with a draft (ValueError, which the server returns to the client):
+logits processors (repetition/presence penalties, logit bias), ``--kv-bits``,
+images, ``num_draft_tokens`` < 1, and cache layers that can neither always
+trim nor run verify rounds (a sliding window, RotatingKVCache).
+
+Requests are served one at a time (mlx-lm's server does so with any draft),
+so per-row acceptance in a batch does not arise here.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Generator, List, Optional
+
+import mlx.core as mx
+
+from promptstore.codecs import layer_coverage
+from promptstore.ssm import gated_delta_layers, to_ssm
+from promptstore.ssm.speculative import SpeculativeStats, speculative_generate_step
+
+__all__ = ["DraftCounters", "make_stream_generate"]
+
+
+class DraftCounters:
+    """Totals of the speculative requests a server ran (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.rounds = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    def add(self, stats: SpeculativeStats) -> None:
+        with self._lock:
+            self.requests += 1
+            self.rounds += stats.rounds
+            self.drafted += stats.drafted
+            self.accepted += stats.accepted
+
+    def snapshot(self) -> Dict[str, Any]:
+        """``{"speculative_requests", "draft_rounds", "draft_tokens",
+        "accepted_draft_tokens", "acceptance"}`` (acceptance: accepted /
+        drafted, 0.0 before any draft)."""
+        with self._lock:
+            return {
+                "speculative_requests": self.requests,
+                "draft_rounds": self.rounds,
+                "draft_tokens": self.drafted,
+                "accepted_draft_tokens": self.accepted,
+                "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+            }
+
+
+def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
+                         checkpoint: Optional[Callable[[List[Any]], None]] = None) -> Any:
+    """mlx-lm's ``stream_generate`` with speculative requests served here.
+
+    Args:
+        mlx_stream_generate: mlx-lm's own function (requests without a draft).
+        counters: receives each speculative request's rounds and acceptance.
+        checkpoint: called with the server's cache list once it covers the
+            prompt but its last token (what mlx-lm's batched path caches as
+            the ``user`` checkpoint, so a repeated prompt is a hit).
+    """
+
+    def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
+        if draft_model is None:
+            return mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+        return _speculative(model, tokenizer, prompt, max_tokens, draft_model, counters, checkpoint, **kwargs)
+
+    return stream_generate
+
+
+def _speculative(model, tokenizer, prompt, max_tokens: int, draft_model, counters: DraftCounters,
+                 checkpoint: Optional[Callable[[List[Any]], None]], *, prompt_cache: Optional[List[Any]] = None, sampler=None, logits_processors=None,
+                 num_draft_tokens: int = 2, prefill_step_size: int = 2048, input_embeddings=None,
+                 kv_bits=None, stream=None, **_ignored) -> Generator[Any, None, None]:
+    """What mlx-lm's ``stream_generate`` yields, from verify rounds."""
+    from mlx_lm.generate import GenerationResponse
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if max_tokens == 0:
+        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    if logits_processors:
+        raise ValueError("speculative decoding (promptstore serve --draft-model) takes no logits "
+                         "processors: drop repetition/presence penalties and logit bias from the request")
+    if kv_bits is not None:
+        raise ValueError("speculative decoding (promptstore serve --draft-model) does not quantize the KV cache: "
+                         "serve without --kv-bits")
+    if input_embeddings is not None:
+        raise ValueError("Speculative decoding does not support input embeddings.")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1 with a draft model, got {num_draft_tokens}")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if not isinstance(prompt, mx.array):
+        prompt = mx.array(list(prompt))
+    limit = sys.maxsize if max_tokens < 0 else max_tokens
+    cache = prompt_cache if prompt_cache is not None else []
+    n_target = len(model.layers)
+    if prompt_cache is None or len(cache) <= n_target:
+        raise ValueError("speculative decoding: the server's cache must hold the target's layers, then the draft's")
+    target = _as_ssm(model, cache[:n_target])
+    draft = _as_ssm(draft_model, cache[n_target:])
+    cache[:] = target + draft  # the list the server inserts afterwards
+
+    stats = SpeculativeStats()
+    steps = speculative_generate_step(
+        prompt, model, draft_model, num_draft_tokens=num_draft_tokens, max_tokens=limit, sampler=sampler,
+        prompt_cache=target, draft_cache=draft, prefill_step_size=prefill_step_size, stats=stats,
+        stop_tokens=tokenizer.eos_token_ids, absorb_last=True,
+        on_prefilled=None if checkpoint is None else lambda: checkpoint(cache),
+    )
+    detokenizer = tokenizer.detokenizer
+    try:
+        tic = time.perf_counter()
+        prompt_tps = 0.0
+        token, logprobs, from_draft, n = 0, mx.zeros((0,)), False, -1  # set by the first step
+        for n, (token, logprobs, from_draft) in enumerate(steps):
+            if n == 0:
+                prompt_tps = prompt.size / max(time.perf_counter() - tic, 1e-9)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(token)
+            if (n + 1) == max_tokens:
+                break
+            yield GenerationResponse(
+                text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
+                prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n + 1,
+                generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
+            )
+        detokenizer.finalize()
+        yield GenerationResponse(
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
+            prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason="stop" if token in tokenizer.eos_token_ids else "length",
+        )
+    finally:
+        steps.close()
+        counters.add(stats)
+
+
+def _as_ssm(model: Any, layers: List[Any]) -> List[Any]:
+    """``layers`` (one model's part of the server's cache) with their
+    gated-DeltaNet ArraysCache layers as SSMCache covering what the other
+    layers report (0 for a fresh cache)."""
+    flags = gated_delta_layers(model)
+    if len(flags) != len(layers) or not any(flags):
+        return list(layers)
+    known = {c for c in (layer_coverage(x) for x, f in zip(layers, flags) if not f) if c is not None}
+    if len(known) > 1:
+        raise ValueError(f"speculative decoding: the cache's layers cover different numbers of tokens: {sorted(known)}")
+    if not known and any(f and not x.empty() for x, f in zip(layers, flags)):
+        raise ValueError("speculative decoding: no layer of the cache reports how many tokens it covers")
+    return to_ssm(layers, known.pop() if known else 0, flags)
