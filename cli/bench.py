@@ -126,6 +126,17 @@ def render(res: Dict[str, Any]) -> str:
     add("lookup: the index, then the hit restored (900 and 31000 tokens of a 2-byte-per-token cache); "
         "peek: the index alone.")
     add("")
+    if res.get("eviction"):
+        add("## Eviction vs store size (ms, median)")
+        add("")
+        add("| entries | put | put that evicts the LRU entry |")
+        add("| ---: | ---: | ---: |")
+        for r in res["eviction"]:
+            add(f"| {r['entries']} | {r['put'] * 1e3:.2f} | {r['put_evict'] * 1e3:.2f} |")
+        add("")
+        add("Durable puts of an 8-token entry; with the budget at the store's usage each put evicts the least "
+            "recently used entry, found by walking the ordered last-use index (`lru`) from its start.")
+        add("")
     rs = res["row_save"]
     add(f"## Saving row {rs['row']} of a batch of {rs['rows']}")
     add("")

@@ -155,8 +155,11 @@ def audit_packs(store) -> int:
         for k, raw in txn.cursor(db=store._db[b"places"]):
             pack = int.from_bytes(bytes(raw[:8]), "big")
             live[pack] = live.get(pack, 0) + _size(txn, store, bytes(k))
-        records = {int.from_bytes(bytes(k), "big"): int.from_bytes(bytes(v[:8]), "big") for k, v in txn.cursor(db=store._db[b"packs"])}
+        records = {int.from_bytes(bytes(k)[1:], "big"): int.from_bytes(bytes(v[:8]), "big") for k, v in txn.cursor(db=store._db[b"packs"]) if bytes(k)[:1] == b"p"}
+        members = {(int.from_bytes(bytes(k)[1:9], "big"), int.from_bytes(bytes(k)[9:], "big")): bytes(v) for k, v in txn.cursor(db=store._db[b"packs"]) if bytes(k)[:1] == b"m"}
+        placed = {(int.from_bytes(bytes(v[:8]), "big"), int.from_bytes(bytes(v[8:]), "big")): bytes(k) for k, v in txn.cursor(db=store._db[b"places"])}
     assert records == live, f"pack records {records} differ from the blocks placed in them {live}"
+    assert members == placed, "the packs' member records differ from the blocks placed in them"
     for pack in records:
         assert (store.path / _packs.DIRNAME / _packs.name(pack)).exists(), f"pack {pack:016x} is recorded but missing"
     return len(records)

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from _bits import bits_equal
 from promptstore import PromptStore
 from promptstore.store import _index
-from promptstore.store._schema import FORMAT_KEY, U64
+from promptstore.store._schema import FORMAT_KEY, STORE_FORMAT, U64
 
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
 MODEL = "trie@0123456789abcdef"
@@ -136,7 +136,7 @@ def test_a_format_1_store_is_read_as_it_is_and_upgraded_once(old_store):
     assert answers[0] == (280, 20, 300) and answers[2] == (700, 0, 700) and answers[5] == (330, 0, 330) and answers[6] == (210, 90, 300)
     with PromptStore(path) as store:  # opened for writing: the index is rebuilt as tries, once
         with store.env.read() as txn:
-            assert U64.unpack(bytes(txn.get(FORMAT_KEY, db=store._db.info)))[0] == 2
+            assert U64.unpack(bytes(txn.get(FORMAT_KEY, db=store._db.info)))[0] == STORE_FORMAT == 3
             assert txn.stat(store._db.segs)["entries"] == 0 and txn.stat(store._db.trims)["entries"] > 0
         # The same tokens matched (of two entries sharing them, the trie finds the shorter)
         assert [a and a[0] for a in _answers(store, entries)] == [a and a[0] for a in answers]

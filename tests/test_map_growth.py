@@ -33,8 +33,9 @@ def test_map_grows_and_other_process_adopts_it(tmp_path):
             import mlx.core as mx
             from mlx_lm.models.cache import KVCache
             from promptstore import PromptStore
-            from promptstore.format import _blobs
+            from promptstore.format import _blobs, _packs
             _blobs.MIN_PAYLOAD = 1 << 62  # keep a payload in LMDB: it must grow the map
+            _packs.MIN_BYTES = 1 << 62  # and the shared blocks too
             c = KVCache()
             c.keys = mx.random.normal((1, 4, 3000, 256), key=mx.random.key(2))
             c.values = -c.keys

@@ -352,6 +352,35 @@ def lookup(workdir: Path, sizes: Sequence[int], repeats: int, seed: int = 0) -> 
     return results
 
 
+def eviction(workdir: Path, sizes: Sequence[int], repeats: int) -> List[Dict[str, Any]]:
+    """Time of a put that evicts the least recently used entry, in stores of
+    ``sizes`` entries (8-token entries of a tiny cache; the budget set to the
+    store's usage, so every put evicts exactly one). ``put_evict``: median of
+    those puts; ``put``: median of the same puts into the store without a budget."""
+    rng = np.random.default_rng(5)
+    results = []
+    for size in sizes:
+        path = workdir / f"evict-{size}"
+        with data.unsynced_lmdb(), PromptStore(path) as store:
+            for i in range(size):
+                store.put(MODEL, [3 + i // 65536, 3 + i % 65536] + rng.integers(3, 150_000, 6).tolist(), data.tiny_kv(8))
+            store.env.env.sync(True)
+        with PromptStore(path) as store:
+            fresh = iter(range(10**6, 2 * 10**6))
+
+            def put() -> None:
+                store.put(MODEL, [next(fresh)] * 8, data.tiny_kv(8))
+
+            plain = median_time(put, repeats)
+            store.set_budget(store.usage())
+            evicting = median_time(put, repeats)
+            if len(list(store.entries())) > size + repeats:
+                raise RuntimeError("the puts did not evict")
+        results.append({"entries": size, "put": plain, "put_evict": evicting})
+        shutil.rmtree(path, ignore_errors=True)
+    return results
+
+
 def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, seed: int = 0) -> Dict[str, Any]:
     """Bytes written to storage when one row of a batch of ``rows`` is saved
     with ``put_row`` (its compact extract + put)."""

@@ -74,6 +74,7 @@ class Plan:
     repeats: tuple  # rounds of the throughput case, per size (more where a round is short and noise large)
     lookup_sizes: tuple
     lookup_repeats: int
+    evict_sizes: tuple
     prefill_lengths: tuple
     prefill_repeats: int
     row_tokens: int
@@ -85,14 +86,14 @@ class Plan:
 
 
 FULL = Plan(
-    data.QWEN3_NEXT_80B, (4096, 32768), (15, 5), (100, 1000, 10000), 50, (256, 512, 1024, 2048), 3, 4096,
+    data.QWEN3_NEXT_80B, (4096, 32768), (15, 5), (100, 1000, 10000), 50, (1000, 100_000), (256, 512, 1024, 2048), 3, 4096,
     chat=Chat(turns=20, system=1024, user=250, tail=6, answer=256),
     shared=(100, 8100),  # not a multiple of any block size compared: whole conversations pay a partial block
     prefix=(32768, 4000),  # not a multiple of the block size: the partial block is paid
     block_sizes=(16, 64, 256, 1024),
 )
 QUICK = Plan(
-    data.QUICK, (256, 1024), (2, 2), (10, 50), 3, (64,), 1, 256,
+    data.QUICK, (256, 1024), (2, 2), (10, 50), 3, (100, 1000), (64,), 1, 256,
     chat=Chat(turns=5, system=256, user=100, tail=6, answer=150),
     shared=(20, 2000),
     prefix=(8192, 1000),
@@ -148,6 +149,8 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
                 shutil.rmtree(work, ignore_errors=True)
         progress("lookup latency vs store size")
         out["lookup"] = cases.lookup(tmp, plan.lookup_sizes, plan.lookup_repeats)
+        progress("eviction vs store size")
+        out["eviction"] = cases.eviction(tmp, plan.evict_sizes, 21 if not quick else 5)
         progress("row save from a batch of 8")
         out["row_save"] = cases.row_save(tmp, plan.shape, plan.row_tokens)
         progress("restore vs prefill on the fixture hybrid")
@@ -220,6 +223,10 @@ def targets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
         last = lk[-1]
         judge(f"lookup, 32K-token query, {last['entries']} entries (ms)", last["q32768"] * 1e3, "<=", 5.0,
               "median PromptStore.lookup incl. restoring the (tiny) hit")
+    ev = res.get("eviction", [])
+    if len(ev) >= 2:
+        judge(f"put that evicts, {ev[-1]['entries']} vs {ev[0]['entries']} entries (time ratio)", ev[-1]["put_evict"] / ev[0]["put_evict"],
+              "<=", 1.5, "median durable put that evicts the least recently used entry; flat means eviction does not scan the store")
     rs = res.get("row_save")
     if rs:
         judge("row save bytes written / row bytes", rs["written"] / rs["row_bytes"], "<=", 1.05,

@@ -45,7 +45,7 @@ from promptstore.errors import CorruptEntry, StoreError, StoreFull
 
 log = logging.getLogger("promptstore")
 
-MIN_PAYLOAD = 8 << 20  # a payload this large goes to a blob file
+MIN_PAYLOAD = 1 << 20  # a payload this large goes to a blob file
 DIRNAME = "blobs"
 WRITEBACK = 4 << 20  # start writing back every this many bytes written
 _SYNC_FILE_RANGE_WRITE = 2

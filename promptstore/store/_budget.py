@@ -12,7 +12,11 @@ Tables (in the store's LMDB environment):
 * ``refs[address]``    u64 reference count + u64 size of a shared block.
 * ``pins[ekey]``       present when the entry is pinned (never evicted).
 * ``used[ekey]``       f64 last use (written by the store; reads are recorded
-  in memory and flushed in the next write transaction or on close).
+  in memory and flushed in the next write transaction, within
+  ``Usage.FLUSH_EVERY`` seconds, or on close).
+* ``lru[used + ekey]`` the same, ordered: eviction walks it from the oldest,
+  so its cost grows with what it evicts (and the pinned entries it passes),
+  not with the number of entries.
 
 An entry's size is what it adds to the data: its payload plus its manifest.
 LMDB's own page overhead and free pages are not counted; the data file may be
@@ -26,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.format._entry import unpack_manifest
 from promptstore.store._keys import entry_id
-from promptstore.store._schema import BUDGET_KEY, PINS, REFS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
+from promptstore.store._schema import BUDGET_KEY, F64, PINS, REFS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
 
 Unlink = Callable[[Any, bytes, Optional[bytes]], None]
 
@@ -78,6 +82,38 @@ def pinned_bytes(txn, db: Tables, also: bytes = b"") -> int:
         for key, size in man.blocks() if man is not None else ():
             blocks[key] = size
     return total + sum(blocks.values())
+
+
+def set_used(txn, db: Tables, ekey: bytes, used: bytes) -> None:
+    """Record an entry's last use (``used``: f64 bytes), in ``used`` and in the ``lru`` order."""
+    drop_used(txn, db, ekey)
+    txn.put(ekey, used, db=db.used)
+    txn.put(_lru_key(used, ekey), b"", db=db.lru)
+
+
+def drop_used(txn, db: Tables, ekey: bytes) -> None:
+    old = txn.get(ekey, db=db.used)
+    if old is not None:
+        txn.delete(_lru_key(bytes(old), ekey), db=db.lru)
+        txn.delete(ekey, db=db.used)
+
+
+def _lru_key(used: bytes, ekey: bytes) -> bytes:
+    # Big-endian IEEE doubles >= 0 sort as their values; a damaged or negative one sorts first.
+    t = f64_or(used, 0.0)
+    return F64.pack(t if t >= 0.0 else 0.0) + ekey
+
+
+def rebuild_lru(txn, db: Tables) -> None:
+    """Rebuild the ``lru`` order from ``used``; an entry without a last use counts as oldest."""
+    txn.drop(db.lru, delete=False)
+    for k, raw in txn.cursor(db=db.entries):
+        k = bytes(k)
+        used = txn.get(k, db=db.used)
+        if used is None:
+            used = F64.pack(0.0)
+            txn.put(k, used, db=db.used)
+        txn.put(_lru_key(bytes(used), k), b"", db=db.lru)
 
 
 def forget(txn, db: Tables, ekey: bytes) -> None:
@@ -144,19 +180,14 @@ def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Optional[Freed] 
     now = usage(txn, db)
     if now <= budget:
         return [], now
-    order = []
-    used = db.used
-    for k, raw in txn.cursor(db=db.sizes):
-        k = bytes(k)
-        if k in keep or is_pinned(txn, db, k):
-            continue
-        order.append((f64_or(txn.get(k, db=used), 0.0), k, u64_or(raw)))
-    order.sort()
     victims = []
-    for _, k, size in order:
+    for key in txn.cursor(db=db.lru).iternext(keys=True, values=False):
         if now <= budget:
             break
-        gain = freed(k) if freed is not None else size
+        k = bytes(key)[F64.size :]
+        if k in keep or is_pinned(txn, db, k):
+            continue
+        gain = freed(k) if freed is not None else size_of(txn, db, k)
         victims.append((k, gain))
         now -= gain
     return victims, now

@@ -77,6 +77,7 @@ class Capacity:
             _budget.recount(txn, self._db)
             target = budget if budget is not None else _budget.get_budget(txn, self._db)
             report = self._evict(txn, target, plan)
+            self._writer.repack(txn, [])
             self._maintenance.sweep_blobs(txn)
             return report
 

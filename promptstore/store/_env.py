@@ -255,6 +255,10 @@ class Env:
         """True once the files are closed (not merely closing, see :meth:`close`)."""
         return self._gate.closed
 
+    def wait_closing(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for :meth:`close` to begin; whether it has."""
+        return self._gate.wait_closing(timeout)
+
     def check_pid(self) -> None:
         if os.getpid() != self.pid:
             raise StoreUnavailable(

@@ -53,6 +53,17 @@ class Gate:
         if self._state != _OPEN:
             raise closed_error(self.path)
 
+    def wait_closing(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for close() to begin; whether it has."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._state == _OPEN:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
     def _token(self) -> object:
         token = getattr(self._tokens, "token", None)
         if token is None:
@@ -110,6 +121,7 @@ class Gate:
             if self._state == _CLOSED:
                 return
             self._state = _CLOSING
+            self._lock.notify_all()  # wakes wait_closing()
             if self._ops.get(me):
                 raise StoreUnavailable(
                     f"{self.path}: close() was called while this thread has a transaction of the store open "

@@ -12,15 +12,17 @@ ends        node key (dupsort)                         end value: u32 length, u6
 trims       node key + block tokens                    u32 child segments and entry ends (trimmable entries)
 segs        node key + block tokens (dupsort)          entry key (store format 1 only: dropped by the upgrade)
 used        entry key                                  f64 last use (seconds since the epoch)
+lru         f64 last use + entry key                   empty: the entries in eviction order
 ids         entry id (16 hex digits, ASCII)            entry key
 info        ``format``, ``budget``, ``usage``,         u64
-            ``stat:<counter>``
+            ``dead``, ``stat:<counter>``
 pins        entry key                                  empty: present when pinned
 sizes       entry key                                  u64 bytes the entry accounts for
 blocks      block address (16 bytes, see format._blocks)  a shared block's bytes
 refs        block address                              u64 references from manifests, u64 block bytes
 places      block address                              u64 pack number, u64 offset: a block in a pack file
-packs       u64 pack number                            u64 bytes of its blocks still referenced, u64 file bytes
+packs       ``p`` + u64 pack number                    u64 bytes of its blocks still referenced, u64 file bytes
+            ``m`` + u64 pack + u64 offset              the address of the live block there (``_packing``)
 ==========  =========================================  ==============================================
 
 Key layouts (all integers big-endian, so keys sort by number):
@@ -52,7 +54,7 @@ U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 F64 = struct.Struct(">d")
 
-STORE_FORMAT = 2  # the layout of the tables below; newer stores are refused (2: the trie index, ``trims``)
+STORE_FORMAT = 3  # the layout of the tables below; newer stores are refused (2: the trie index, 3: ``lru``)
 
 ENTRIES = b"entries"
 CHUNKS = b"chunks"
@@ -69,9 +71,10 @@ REFS = b"refs"
 PLACES = b"places"
 PACKS = b"packs"
 TRIMS = b"trims"
-TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES, BLOCKS, REFS, PLACES, PACKS, TRIMS)
+LRU = b"lru"
+TABLES: Tuple[bytes, ...] = (ENTRIES, CHUNKS, NODES, ENDS, SEGS, USED, IDS, INFO, PINS, SIZES, BLOCKS, REFS, PLACES, PACKS, TRIMS, LRU)
 DUPSORT = frozenset({ENDS, SEGS})
-OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS, PLACES, PACKS, TRIMS})  # absent from stores older than them; opened read-only, they may be missing
+OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS, PLACES, PACKS, TRIMS, LRU})  # absent from stores older than them; opened read-only, they may be missing
 
 # Keys of the ``info`` table.
 FORMAT_KEY = b"format"
@@ -171,6 +174,7 @@ class Tables:
     ends = property(lambda self: self._handles[ENDS])
     segs = property(lambda self: self._handles[SEGS])
     trims = property(lambda self: self._handles[TRIMS])
+    lru = property(lambda self: self._handles[LRU])
     used = property(lambda self: self._handles[USED])
     ids = property(lambda self: self._handles[IDS])
     info = property(lambda self: self._handles[INFO])

@@ -1,8 +1,11 @@
 """Usage: last-use times and hit counters, kept off the read path.
 
 A read records its entry's last use and the hit or miss in memory; the next
-write transaction of this process (a put, gc, close) writes them, so reads
-never wait for the writer lock. A store opened read-only keeps them to itself.
+write transaction of this process (a put, gc, close) writes them, and so
+does a background flush within :data:`FLUSH_EVERY` seconds of a read
+(``PromptStore._flush_soon``), so reads never wait for the writer lock and a
+process that only reads still counts for eviction order everywhere. A store
+opened read-only keeps them to itself.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ import time
 from collections import Counter
 from typing import Dict, Iterable
 
+from promptstore.store import _budget
 from promptstore.store._schema import F64, U64, Tables, stat_key, u64_or
 
 COUNTERS = ("hits", "misses")
+FLUSH_EVERY = 2.0  # seconds: the longest a read's last use stays unwritten while its process runs
 
 
 class Usage:
@@ -25,6 +30,11 @@ class Usage:
         self._lock = threading.Lock()
         self._touched: Dict[bytes, float] = {}
         self._counts: Counter = Counter()
+        self._flushed = time.monotonic()
+
+    def wait(self) -> float:
+        """Seconds until a flush is due (:data:`FLUSH_EVERY` after the last one)."""
+        return max(0.0, FLUSH_EVERY - (time.monotonic() - self._flushed))
 
     def touch(self, ekey: bytes) -> None:
         with self._lock:
@@ -52,10 +62,11 @@ class Usage:
         with self._lock:
             touched, self._touched = self._touched, {}
             counts, self._counts = self._counts, Counter()
+            self._flushed = time.monotonic()
         db = self._db
         for ekey, ts in touched.items():
             if txn.get(ekey, db=db.entries) is not None:
-                txn.put(ekey, F64.pack(ts), db=db.used)
+                _budget.set_used(txn, db, ekey, F64.pack(ts))
         for what, n in counts.items():
             key = stat_key(what)
             txn.put(key, U64.pack(u64_or(txn.get(key, db=db.info)) + n), db=db.info)

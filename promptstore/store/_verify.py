@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _packs
-from promptstore.store import _budget, _index, _keys
+from promptstore.store import _budget, _index, _keys, _packing
 from promptstore.store._env import Env
 from promptstore.store._read import Reader
 from promptstore.store._results import VerifyReport
-from promptstore.store._schema import PACKS, PLACES, U64, Tables, model_of, owner_of_chunk, pair, parse_pair
+from promptstore.store._schema import PACKS, PLACES, Tables, model_of, owner_of_chunk
 from promptstore.store._write import EntryWriter
 
 
@@ -85,6 +84,7 @@ class Maintenance:
                 self.sweep_blobs(txn)
                 self.recount_blocks(txn)
                 _budget.recount(txn, db)
+                _budget.rebuild_lru(txn, db)
 
             self._env.write(write)
         return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer))
@@ -158,25 +158,13 @@ class Maintenance:
                 continue
 
     def _recount_packs(self, txn) -> None:
-        """Set each pack's live bytes to its blocks' sizes; drop (and, after the
-        commit, unlink) the packs none of whose blocks is referenced."""
-        db = self._db
-        if PACKS not in db:
+        """Rebuild the packs' records from where the blocks are; drop (and,
+        after the commit, unlink) the packs none of whose blocks is referenced."""
+        if PACKS not in self._db:
             return
-        live: Dict[int, int] = {}
-        for k, raw in txn.cursor(db=db.places):
-            place = parse_pair(raw)
-            if place is not None:
-                live[place[0]] = live.get(place[0], 0) + _budget.ref_size(txn.get(bytes(k), db=db.refs))
-        for k, raw in list(txn.cursor(db=db.packs)):
-            k = bytes(k)
-            pack, have = U64.unpack(k)[0] if len(k) == 8 else None, parse_pair(raw)
-            if pack is None or pack not in live:
-                txn.delete(k, db=db.packs)
-                if pack is not None:
-                    self._env.after_commit(functools.partial(self._packs.unlink, pack))
-            elif have is None or have[0] != live[pack]:
-                txn.put(k, pair(live[pack], have[1] if have is not None else 0), db=db.packs)
+        db = self._db
+        for pack in _packing.rebuild(txn, db, lambda key: _budget.ref_size(txn.get(key, db=db.refs))):
+            self._writer.unlink_pack_later(pack)
 
     def _still(self, ekey: bytes, raw: Optional[bytes]) -> bool:
         """Whether the entry at ``ekey`` still has the manifest ``raw`` (a new snapshot)."""
@@ -186,9 +174,12 @@ class Maintenance:
 
     def upgrade_format(self, txn, fmt: int) -> None:
         """Bring a store of format ``fmt`` to this one's layout (``Env.check_format``):
-        format 1 kept a per-entry prefix index; rebuild it as the trie."""
+        format 1 kept a per-entry prefix index (rebuilt as the trie), and
+        formats before 3 had no ``lru`` order (built from the last uses)."""
         if fmt < 2:
             self.rebuild_index(txn)
+        if fmt < 3:
+            _budget.rebuild_lru(txn, self._db)
 
     def rebuild_index(self, txn) -> None:
         """Rebuild the prefix index from the intact manifests."""
@@ -224,7 +215,7 @@ class Maintenance:
         before its commit)."""
         if PACKS not in self._db:
             return []
-        return [p for p in self._packs.numbers() if txn.get(U64.pack(p), db=self._db.packs) is None]
+        return [p for p in self._packs.numbers() if not _packing.has_pack(txn, self._db, p)]
 
     def sweep_blobs(self, txn) -> int:
         """Unlink, once ``txn`` commits, the blob files no manifest in it names

@@ -14,6 +14,7 @@ accounting, pin, and the manifest.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from promptstore.codecs import Encoded, codec_for_kind
 from promptstore.errors import PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _fill, _packs, _payload
 from promptstore.format._entry import Manifest
-from promptstore.store import _budget, _index, _keys, _schema
+from promptstore.store import _budget, _index, _keys, _packing
 from promptstore.store._env import Env
 from promptstore.store._schema import F64, Tables, chunk_key, model_of, owner_of_chunk
 from promptstore.store._usage import Usage
@@ -109,8 +110,7 @@ class EntryWriter:
             txn.put(chunk_key(ekey, i), chunk, db=db.chunks)
         written = self._reference(txn, blocks, packs)
         _index.add(txn, db, model_of(ekey), tokens, _keys.prefix_hashes(tokens), ekey, trimmable)
-        if used is not None:
-            txn.put(ekey, used, db=db.used)
+        _budget.set_used(txn, db, ekey, used if used is not None else F64.pack(0.0))
         txn.put(_keys.entry_id(ekey).encode(), ekey, db=db.ids)
         self._usage.flush_in(txn)
         nbytes = size if size is not None else len(manifest)
@@ -121,6 +121,8 @@ class EntryWriter:
             _budget.account(txn, db, ekey, nbytes)
         if pinned:
             txn.put(ekey, b"", db=db.pins)
+        if packs is not None:
+            self.repack(txn, packs)
         txn.put(ekey, manifest, db=db.entries)  # last: the entry is visible whole or not at all
         return written
 
@@ -154,17 +156,11 @@ class EntryWriter:
         """Write the blocks ``new`` to a new pack file, durably, and record where each is."""
         db = self._db
         pack = self._packs.new_number()
-        while txn.get(_schema.U64.pack(pack), db=db.packs) is not None:
+        while _packing.has_pack(txn, db, pack):
             pack = self._packs.new_number()
-        views: List[memoryview] = []
-        offset = 0
-        for key, data, size in new:
-            views.extend(_rows(data))
-            txn.put(key, _schema.pair(pack, offset), db=db.places)
-            offset += size
         packs.append(pack)
-        self._packs.write(pack, views)
-        txn.put(_schema.U64.pack(pack), _schema.pair(offset, offset), db=db.packs)
+        self._packs.write(pack, [view for _, data, _ in new for view in _rows(data)])
+        _packing.record(txn, db, pack, [(key, size) for key, _, size in new])
 
     def _release(self, txn, man: Manifest) -> None:
         """Drop one reference to each block of ``man``; remove blocks no entry references."""
@@ -186,19 +182,24 @@ class EntryWriter:
         """Remove a block's bytes: its LMDB value, or its share of a pack
         (the pack is unlinked, after the commit, once none of it is referenced)."""
         db = self._db
-        place = _schema.parse_pair(txn.get(key, db=db.places)) if _schema.PLACES in db else None
-        if place is None:
+        where = _packing.place(txn, db, key)
+        if where is None:
             txn.delete(key, db=db.blocks)
             return
-        txn.delete(key, db=db.places)
-        pkey = _schema.U64.pack(place[0])
-        live = _schema.parse_pair(txn.get(pkey, db=db.packs))
-        if live is not None and live[0] > size:
-            txn.put(pkey, _schema.pair(live[0] - size, live[1]), db=db.packs)
-            return
-        txn.delete(pkey, db=db.packs)
-        pack = place[0]
-        self._env.after_commit(lambda: self._packs.unlink(pack))
+        gone = _packing.free(txn, db, key, where, size)
+        if gone is not None:
+            self.unlink_pack_later(gone)
+
+    def unlink_pack_later(self, pack: int) -> None:
+        """Unlink pack file ``pack`` once the write transaction this thread is in commits."""
+        self._env.after_commit(functools.partial(self._packs.unlink, pack))
+
+    def repack(self, txn, packs: List[int]) -> int:
+        """Rewrite sparse pack files when their dead bytes pass the threshold
+        (``_packing``); returns the bytes moved."""
+        if not _packing.repack_due(txn, self._db):
+            return 0
+        return _packing.repack(txn, self._db, self._packs, packs, self.unlink_pack_later, str(self.path))
 
     def freed_by(self, txn) -> _budget.Freed:
         """What evicting an entry frees, its blocks included, given those planned before it."""
@@ -245,7 +246,7 @@ class EntryWriter:
                 if man.blob is not None and man.blob.startswith(eid + "-"):
                     blob = man.blob
                     self._env.after_commit(lambda: self._blobs.unlink(blob))
-        txn.delete(ekey, db=db.used)
+        _budget.drop_used(txn, db, ekey)
         txn.delete(eid.encode(), db=db.ids)
         _budget.forget(txn, db, ekey)
         txn.delete(ekey, db=db.entries)
@@ -375,7 +376,7 @@ class EntryWriter:
         read: then the file stays, for gc)."""
         try:
             with self._env.read() as txn:
-                return txn.get(_schema.U64.pack(pack), db=self._db.packs) is not None
+                return _packing.has_pack(txn, self._db, pack)
         except BaseException:
             return True
 
