@@ -21,11 +21,21 @@ from promptstore.cli._common import Ctx, Group
     default=None,
     help="Store directory [env PROMPTSTORE_DIR; default ~/.cache/promptstore].",
 )
+@click.option(
+    "--remote",
+    "remote",
+    envvar="PROMPTSTORE_REMOTE",
+    metavar="URL",
+    default=None,
+    help="Shared tier: redis://[user:password@]host:port[/db][?ns=NAME] (rediss:// for TLS; a Redis Cluster "
+    "is found from any node). Puts are published, local misses fetched from it [env PROMPTSTORE_REMOTE].",
+)
+@click.option("--no-remote", is_flag=True, help="No shared tier for this command, whatever PROMPTSTORE_REMOTE says.")
 @click.version_option(package_name="promptstore")
 @click.pass_context
-def main(ctx: click.Context, store_path):
+def main(ctx: click.Context, store_path, remote, no_remote):
     """Persistent, bit-exact prompt caches for MLX language models."""
-    ctx.obj = Ctx(store_path)
+    ctx.obj = Ctx(store_path, remote=False if no_remote or not remote else remote)
     ctx.call_on_close(ctx.obj.close)
 
 

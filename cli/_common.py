@@ -8,7 +8,7 @@ import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import click
 
@@ -23,8 +23,9 @@ class Ctx:
     user may only read read-only.
     """
 
-    def __init__(self, store_path: Optional[str]):
+    def __init__(self, store_path: Optional[str], remote: Union[str, bool, None] = False):
         self.store_path = store_path
+        self.remote = remote  # the --remote URL, or False (--no-remote, or none given)
         self._store: Optional[PromptStore] = None
 
     @property
@@ -38,7 +39,7 @@ class Ctx:
             if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
                 raise StoreUnavailable(f"{path}: the store is read-only for this user; nothing was written. "
                                        "Use a store you may write (--store DIR) or ask its owner")
-            self._store = PromptStore(self.store_path)
+            self._store = PromptStore(self.store_path, remote=self.remote)
         return self._store
 
     def reader(self, counted: bool = False) -> PromptStore:
@@ -57,7 +58,7 @@ class Ctx:
         if not self.exists():
             self._missing()
         writable = all(os.access(p, os.W_OK) for p in (path, path / "data.mdb", path / "lock.mdb") if p.exists())
-        self._store = PromptStore(path, readonly=not (counted and writable))
+        self._store = PromptStore(path, readonly=not (counted and writable), remote=self.remote)
         return self._store
 
     def existing_store(self) -> PromptStore:

@@ -16,9 +16,14 @@ Messages say what failed, where (path or key) and what to do about it.
     │   └── UnsupportedVersion  a codec or format version newer than this reader
     ├── CorruptEntry            checksum, size or manifest damage in one entry
     ├── RoundError              a speculative verify round used out of order
-    └── StoreError              the LMDB environment itself
-        ├── StoreFull           disk or map full
-        └── StoreUnavailable    cannot open, wrong process (fork), file damaged
+    ├── StoreError              the LMDB environment itself
+    │   ├── StoreFull           disk or map full
+    │   └── StoreUnavailable    cannot open, wrong process (fork), file damaged
+    └── RemoteError             the shared (remote) tier failed; the local tier answers
+        ├── RemoteUnavailable   cannot connect, timed out, node or cluster down
+        ├── RemoteCorrupt       (also CorruptEntry) a value fails its check
+        └── RemoteMissing       a manifest names a block the remote no longer holds
+    (RemoteURLError, an InvalidInput: a remote URL the tier cannot use)
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ __all__ = [
     "StoreFull",
     "StoreUnavailable",
     "StoreClosed",
+    "RemoteError",
+    "RemoteUnavailable",
+    "RemoteCorrupt",
+    "RemoteMissing",
+    "RemoteURLError",
 ]
 
 
@@ -118,3 +128,32 @@ class StoreUnavailable(StoreError):
 class StoreClosed(PromptStoreError):
     """The PromptStore was closed (maybe by another thread while this
     operation, made of several transactions, was between two of them)."""
+
+
+class RemoteError(PromptStoreError):
+    """The shared (remote) tier failed; nothing it sent was used."""
+
+    kind = "error"
+
+
+class RemoteUnavailable(RemoteError):
+    """The remote cannot be reached in time (refused, timed out, node or cluster down)."""
+
+    kind = "unavailable"
+
+
+class RemoteCorrupt(RemoteError, CorruptEntry):
+    """A value read from the remote fails its check (magic, checksum, size,
+    field, or a block whose bytes do not hash to its address)."""
+
+    kind = "corrupt"
+
+
+class RemoteMissing(RemoteError):
+    """A remote manifest names a block the remote no longer holds (evicted or deleted)."""
+
+    kind = "missing"
+
+
+class RemoteURLError(InvalidInput):
+    """A remote URL the tier cannot use (scheme, host, port, db, namespace)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
@@ -27,11 +28,15 @@ from promptstore.errors import (
     InvalidInput,
     ModelMismatch,
     PromptStoreError,
+    StoreClosed,
+    StoreError,
     UnknownStorageKind,
     UnsupportedVersion,
 )
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
+from promptstore.remote import Key as RemoteKey
+from promptstore.remote import RemoteTier, RemoteURL, open_remote
 from promptstore.store import _index, _keys
 from promptstore.store._capacity import Capacity
 from promptstore.store._catalog import Catalog
@@ -69,6 +74,12 @@ class PromptStore:
             Entries of either layout are read either way.
         block_tokens: the most tokens one new shared block spans
             (default :data:`~promptstore.format._blocks.BLOCK_TOKENS`).
+        remote: a shared tier, ``redis://[user:password@]host:port[/db]``
+            (``rediss://`` for TLS; a Redis Cluster is found from any node;
+            see ``promptstore.remote``): what is put is published in the
+            background, and a local miss or a longer remote match is
+            fetched, checked, written here and restored. None reads
+            ``$PROMPTSTORE_REMOTE``; False means none.
 
     One instance serves any number of threads; other processes may open the
     same path at the same time. Never use an instance across ``fork()``.
@@ -83,9 +94,12 @@ class PromptStore:
         budget: Optional[int] = None,
         shared_blocks: Optional[bool] = None,
         block_tokens: int = _blocks.BLOCK_TOKENS,
+        remote: Union[str, bool, RemoteURL, None] = None,
     ):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise InvalidInput(f"block_tokens must be a positive token count, not {block_tokens!r}")
+        self._remote: Optional[RemoteTier] = None
+        tier = open_remote(remote)  # a bad URL fails before anything is opened
         self.path = Path(path).expanduser() if path is not None else default_path()
         env = Env(self.path, map_size=map_size, readonly=readonly)
         self._env: Optional[Env] = env
@@ -100,9 +114,12 @@ class PromptStore:
         self._catalog = Catalog(self.path, tables, self._usage)
         self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._packs, self._reader, self._writer)
         self._capacity = Capacity(self.path, env, tables, self._usage, self._catalog, self._writer, self._maintenance)
+        self._flusher: Optional[threading.Thread] = None
+        self._flushing_lock = threading.Lock()
         env.check_format(self._maintenance.upgrade_format)
         if budget is not None:
             self.set_budget(budget)
+        self._remote = tier
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -120,6 +137,9 @@ class PromptStore:
                 operations in flight outlast ``timeout`` seconds; the files
                 then close when the last of them ends (usage not flushed).
         """
+        tier, self._remote = getattr(self, "_remote", None), None
+        if tier is not None:  # publish what is queued (bounded), then let go of the remote
+            tier.close()
         env = self._env
         if env is None:
             return
@@ -152,17 +172,47 @@ class PromptStore:
         return self._env
 
     @property
+    def remote(self) -> Optional[RemoteTier]:
+        """The shared tier (its ``stats()``, ``flush()``, ``remote.entries()``), or None."""
+        return self._remote
+
+    @property
     def _db(self) -> Tables:
         """The open tables (for tools and tests that read records raw)."""
         return self.env.db
 
     def flush(self) -> None:
-        """Write recorded last-use times and hit counters (done on every put and
-        on close; a store opened read-only keeps them to itself)."""
+        """Write recorded last-use times and hit counters (done on every put,
+        on close, and in the background within ``Usage.FLUSH_EVERY`` seconds
+        of a read; a store opened read-only keeps them to itself)."""
         if self.env.readonly:
             return
         if self._usage.pending():
             self.env.write(self._usage.flush_in)
+
+    def _flush_soon(self) -> None:
+        """Have recorded usage written within ``Usage.FLUSH_EVERY`` seconds, on
+        a background thread, so other processes' eviction sees this one's reads
+        within that delay even if it never writes; the read never waits for it."""
+        env = self._env
+        if env is None or env.readonly or not self._usage.pending() or os.getpid() != env.pid:
+            return
+        with self._flushing_lock:
+            if self._flusher is not None and self._flusher.is_alive():
+                return
+            self._flusher = threading.Thread(target=self._flush_later, name="promptstore-usage", daemon=True)
+            self._flusher.start()
+
+    def _flush_later(self) -> None:
+        env = self._env
+        if env is None or env.wait_closing(self._usage.wait()):
+            return  # closing: close flushes what was recorded
+        try:
+            self.flush()
+        except StoreClosed:
+            pass
+        except PromptStoreError as err:
+            log.warning("promptstore: recording last uses failed (retried at the next write): %s", err)
 
     # -- writing -------------------------------------------------------------
 
@@ -193,6 +243,10 @@ class PromptStore:
             InvalidInput: bad model id, tokens or meta.
             StoreFull: disk or map full; nothing was written.
         """
+        return self._put(model, tokens, cache, meta, coverage, publish=True)
+
+    def _put(self, model: str, tokens: _keys.Tokens, cache: Sequence[Any], meta: Optional[Dict[str, Any]],
+             coverage: Optional[int], publish: bool) -> EntryInfo:
         _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
         layers = list(cache)
@@ -221,6 +275,8 @@ class PromptStore:
         trimmable = is_trimmable(layers)
         name = model_name_of(model)
         done = self._writer.put(model, name, toks, encoded, trimmable, dict(meta or {}))
+        if publish and self._remote is not None:  # write-behind: never waits on the network
+            self._remote.publish_later(self._remote_key(model, toks), name, encoded, trimmable, dict(meta or {}), done.created)
         return EntryInfo(
             id=done.entry_id,
             model=model,
@@ -235,14 +291,17 @@ class PromptStore:
             shared=done.shared,
         )
 
-    def put_row(self, model: str, tokens: _keys.Tokens, batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None) -> EntryInfo:
+    def put_row(self, model: str, tokens: _keys.Tokens, batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None,
+                *, gated: rows.Gated = None) -> EntryInfo:
         """Store row ``row`` of a running batch as a serial entry; the batch is untouched.
 
         See :func:`promptstore.rows.put_row` (Args, Returns, Raises): the row is
         extracted compactly, refused with CoverageMismatch unless it covers
         exactly ``tokens``; a row index out of range raises InvalidInput.
+        ``gated`` (one flag per layer, e.g. ``gated_delta_layers(model)``, or
+        True): those layers' ArraysCache states are stored as ``ssm.gated_delta``.
         """
-        return rows.put_row(self, model, tokens, batch_cache, row, meta)
+        return rows.put_row(self, model, tokens, batch_cache, row, meta, gated=gated)
 
     def delete(self, model: str, tokens: _keys.Tokens) -> bool:
         """Delete the entry of exactly ``tokens``; True when one existed."""
@@ -329,6 +388,13 @@ class PromptStore:
         """
         toks = _keys.as_tokens(tokens)
         hit = self._reader.again(lambda lost: self._get_exact(model, toks))
+        self._flush_soon()
+        if hit is None and self._remote is not None:
+            found = self._remote.remote.get(self._remote_key(model, toks))
+            fetched = None if found is None else self._remote.remote.fetch(found)
+            self._remote.remote.count("misses" if fetched is None else "hits")
+            if found is not None and fetched is not None:
+                hit = self._adopt(model, found.manifest, fetched, found.matched)
         return None if hit is None else hit.cache
 
     def _get_exact(self, model: str, toks: np.ndarray) -> Optional[Hit]:
@@ -357,10 +423,11 @@ class PromptStore:
         toks = _keys.as_tokens(tokens)
         with self.env.read() as txn:
             manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
-            for _ekey, matched, man in _index.candidates(txn, self.env.db, mid, toks, manifest):
-                if man.model == model:
-                    return matched
-        return 0
+            local = next((m for _e, m, man in _index.candidates(txn, self.env.db, mid, toks, manifest) if man.model == model), 0)
+        if self._remote is not None and local < len(toks):
+            found = self._remote.remote.find(self._remote_key(model, toks), local)
+            return found.matched if found is not None else local
+        return local
 
     def prefixes(self, model: str, tokens: _keys.Tokens) -> List[EntryInfo]:
         """The stored entries of ``model`` whose tokens are a prefix of
@@ -390,7 +457,43 @@ class PromptStore:
         """
         mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        return self._reader.again(lambda lost: self._lookup(model, mid, toks, lost))
+        hit = self._reader.again(lambda lost: self._lookup(model, mid, toks, lost))
+        self._flush_soon()
+        if self._remote is not None and (hit is None or hit.matched < len(toks)):
+            got = self._remote.remote.read_through(self._remote_key(model, toks), hit.matched if hit else 0, hit.cache if hit else None)
+            if got is not None:
+                found, cache = got
+                return self._adopt(model, found.manifest, cache, found.matched) or hit
+        return hit
+
+    # -- the remote tier -----------------------------------------------------------
+
+    def _remote_key(self, model: str, toks: np.ndarray) -> RemoteKey:
+        mid = _keys.model_id(model)
+        return RemoteKey(model, mid, _keys.entry_key(mid, toks), toks, _keys.prefix_hashes(toks))
+
+    def _adopt(self, model: str, man: Any, cache: List[Any], matched: int) -> Optional[Hit]:
+        """A fetched remote entry, written to this store (not published again)
+        and returned as the Hit of ``matched`` tokens (trimmed to them).
+        None when its layers do not cover the entry's tokens (never used)."""
+        toks = man.tokens
+        n = len(toks)
+        if any(codec_for_layer(layer).coverage(layer) not in (None, n) for layer in cache):
+            if self._remote is not None:
+                self._remote.remote.count("errors.corrupt")
+            return None
+        ekey = _keys.entry_key(_keys.model_id(model), toks)
+        info = EntryInfo(id=_keys.entry_id(ekey), model=model, model_name=man.name, n_tokens=n, kinds=man.kinds,
+                         nbytes=man.nbytes, created=utc(man.created), last_used=utc(man.created),
+                         trimmable=man.trimmable, meta=dict(man.meta))
+        if not self.env.readonly:
+            try:
+                info = self._put(model, toks, cache, dict(man.meta), n, publish=False)
+            except StoreError as err:  # the fetched cache is checked: serve it, keep nothing
+                log.warning("promptstore: a remote entry was not stored locally: %s", err)
+        if n > matched:
+            trim_cache(cache, n - matched)
+        return Hit(cache, matched, info, n - matched, man.nbytes)
 
     def _lookup(self, model: str, mid: bytes, toks: np.ndarray, lost: Set[str]) -> Optional[Hit]:
         with self.env.read(buffers=True) as txn:

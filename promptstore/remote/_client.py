@@ -1,0 +1,143 @@
+"""The connection: one Redis or Valkey server, or a Redis Cluster found from any node.
+
+Every call is bounded: connect and socket timeouts are the URL's
+``timeout``, a single server gets no retries, a cluster one retry (to follow
+a topology change: MOVED/ASK are followed by redis-py itself). Whatever
+fails (refused, timed out, a node down, the cluster down, an error reply)
+is RemoteUnavailable, and the next call connects afresh, so a cluster that
+changed is discovered again. Commands are pipelined in batches: a cluster
+pipeline sends each node its share, all nodes at once, then reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from promptstore.errors import RemoteUnavailable, RemoteURLError
+from promptstore.remote._url import RemoteURL
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.retry import Retry
+except ImportError:  # the remote tier is an extra: pip install 'promptstore[remote]'
+    redis = None  # type: ignore[assignment]
+
+BATCH = 256  # commands per pipeline round trip
+
+
+class Client:
+    """Pipelined reads and writes of raw keys, with bounded timeouts."""
+
+    def __init__(self, url: RemoteURL):
+        self.url = url
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self.cluster = False
+
+    def _connection(self) -> Any:
+        with self._lock:
+            if self._conn is None:
+                self._conn = self._connect()
+            return self._conn
+
+    def _connect(self) -> Any:
+        if redis is None:
+            raise RemoteUnavailable("the remote tier needs redis-py: pip install 'promptstore[remote]' (or redis>=5)")
+        u = self.url
+        common: Dict[str, Any] = dict(
+            username=u.username, password=u.password, socket_timeout=u.timeout,
+            socket_connect_timeout=u.timeout, ssl=u.tls, health_check_interval=0,
+        )
+        try:
+            probe = redis.Redis(host=u.host, port=u.port, db=u.db, retry=Retry(NoBackoff(), 0), **common)
+            enabled = probe.info("cluster").get("cluster_enabled")
+            if not enabled:
+                self.cluster = False
+                return probe
+            probe.close()
+            if u.db:
+                raise RemoteURLError(f"{u}: a Redis Cluster has only database 0")
+            self.cluster = True
+            return RedisCluster(host=u.host, port=u.port, retry=Retry(NoBackoff(), 1), require_full_coverage=False,
+                                **common)
+        except RemoteURLError:
+            raise
+        except Exception as err:
+            raise _unavailable(u, err) from err
+
+    def reset(self) -> None:
+        """Drop the connection; the next call connects (and discovers) again."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self.reset()
+
+    def _pipelined(self, ops: Sequence[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]) -> List[Any]:
+        """Run ``(method, args, kwargs)`` pipeline commands in batches; their replies."""
+        out: List[Any] = []
+        if not ops:
+            return out
+        conn = self._connection()
+        try:
+            for i in range(0, len(ops), BATCH):
+                pipe = conn.pipeline(transaction=False)
+                for name, args, kwargs in ops[i : i + BATCH]:
+                    getattr(pipe, name)(*args, **kwargs)
+                out.extend(pipe.execute(raise_on_error=True))
+        except Exception as err:
+            self.reset()
+            raise _unavailable(self.url, err) from err
+        return out
+
+    def get(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
+        return self._pipelined([("get", (k,), {}) for k in keys])
+
+    def exists(self, keys: Sequence[bytes]) -> List[bool]:
+        return [bool(r) for r in self._pipelined([("exists", (k,), {}) for k in keys])]
+
+    def set_new(self, items: Sequence[Tuple[bytes, bytes]]) -> None:
+        """SET each key only when absent (content-addressed values never change)."""
+        self._pipelined([("set", (k, v), {"nx": True}) for k, v in items])
+
+    def set(self, items: Sequence[Tuple[bytes, bytes]]) -> None:
+        self._pipelined([("set", (k, v), {}) for k, v in items])
+
+    def hset(self, items: Sequence[Tuple[bytes, bytes, bytes]]) -> None:
+        self._pipelined([("hset", (k, f, v), {}) for k, f, v in items])
+
+    def hgetall(self, keys: Sequence[bytes]) -> List[Dict[bytes, bytes]]:
+        return self._pipelined([("hgetall", (k,), {}) for k in keys])
+
+    def scan(self, pattern: bytes, count: int = 1000) -> Iterator[bytes]:
+        """Every key matching ``pattern`` (on every master of a cluster)."""
+        conn = self._connection()
+        try:
+            yield from conn.scan_iter(match=pattern, count=count)
+        except Exception as err:
+            self.reset()
+            raise _unavailable(self.url, err) from err
+
+    def memory(self) -> List[Dict[str, Any]]:
+        """``INFO memory`` of the server, or of every master."""
+        conn = self._connection()
+        try:
+            if self.cluster:
+                return list(conn.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
+            return [conn.info("memory")]
+        except Exception as err:
+            self.reset()
+            raise _unavailable(self.url, err) from err
+
+
+def _unavailable(url: RemoteURL, err: Exception) -> RemoteUnavailable:
+    what = "timed out" if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__ else "failed"
+    return RemoteUnavailable(f"remote {url} {what}: {type(err).__name__}: {err}")

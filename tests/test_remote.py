@@ -1,0 +1,230 @@
+"""The shared tier against real Redis servers: one server and a 3-master cluster.
+
+Two PromptStores with separate local folders share one remote: what only A
+stored, B finds by token prefix and restores bit-exact (==).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from _redis import fresh_cluster, fresh_single, redis_binary, redis_cluster, redis_root, redis_single  # noqa: F401
+from _samples import assert_same, det, visible_state
+from promptstore import PromptStore
+from promptstore.remote import RemoteURLError, parse_url
+from promptstore.ssm import SSMCache
+
+MODEL = "tiny@" + "ab" * 16
+_ns = itertools.count()
+
+
+def kv_cache(n: int, layers: int = 2, seed: int = 0, dtype=mx.bfloat16):
+    out = []
+    for li in range(layers):
+        c = KVCache()
+        c.update_and_fetch(det((1, 2, n, 32), dtype, seed + 2 * li), det((1, 2, n, 32), dtype, seed + 2 * li + 1))
+        out.append(c)
+    return out
+
+
+def toks(n: int, seed: int = 0) -> list:
+    return [(i * 7919 + seed * 104729) % 30000 + 3 for i in range(n)]
+
+
+def same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert_same(visible_state(x), visible_state(y))
+
+
+def url_of(server, ns: str, **params) -> str:
+    extra = "".join(f"&{k}={v}" for k, v in params.items())
+    return f"{server.url}/0?ns={ns}{extra}"
+
+
+@pytest.fixture(params=["single", "cluster"])
+def remote_url(request):
+    server = request.getfixturevalue("redis_single" if request.param == "single" else "redis_cluster")
+    return url_of(server, f"t{next(_ns)}")
+
+
+def pair(tmp_path, url):
+    return PromptStore(tmp_path / "a", remote=url), PromptStore(tmp_path / "b", remote=url)
+
+
+# -- URLs -------------------------------------------------------------------------
+
+
+def test_urls():
+    u = parse_url("rediss://alice:s%40cret@cache.example:7000/2?ns=fleet-1&timeout=0.5")
+    assert (u.tls, u.username, u.password, u.host, u.port, u.db, u.namespace, u.timeout) == (
+        True, "alice", "s@cret", "cache.example", 7000, 2, "fleet-1", 0.5)
+    assert "s@cret" not in str(u) and "***" in str(u)
+    assert parse_url("redis://h").port == 6379 and parse_url("redis://h").namespace == "promptstore"
+    for bad in ("http://h:1", "redis://:1", "redis://h:1/x", "redis://h:1?ns=a b", "redis://h:1?tmo=1",
+                "redis://h:1?timeout=0", "redis://h:99999", ""):
+        with pytest.raises(RemoteURLError):
+            parse_url(bad)
+    with pytest.raises(RemoteURLError):  # refused before any store is opened
+        PromptStore("/nonexistent/never-created", remote="memcached://h:1")
+
+
+def test_env_and_off(tmp_path, monkeypatch, redis_single):
+    monkeypatch.setenv("PROMPTSTORE_REMOTE", url_of(redis_single, "envns"))
+    with PromptStore(tmp_path / "a") as s:
+        assert s.remote is not None and s.remote.url.namespace == "envns"
+    with PromptStore(tmp_path / "b", remote=False) as s:
+        assert s.remote is None
+
+
+# -- sharing ----------------------------------------------------------------------
+
+
+def test_b_restores_what_only_a_stored(tmp_path, remote_url):
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        t = toks(600)
+        cache = kv_cache(600)
+        a.put(MODEL, t, cache, meta={"who": "a"})
+        assert a.remote.flush(10)
+        assert a.remote.stats()["published"] == 1
+        assert b.lookup(MODEL, toks(50, seed=9)) is None  # another prompt: a miss
+        hit = b.lookup(MODEL, t + [5, 6, 7])
+        assert hit is not None and hit.matched == 600 and hit.trimmed == 0
+        same(hit.cache, cache)
+        st = b.remote.stats()
+        assert st["hits"] == 1 and st["misses"] == 1 and st["bytes_fetched"] > 0
+        assert b.exists(MODEL, t)  # written to B's own tier: the next lookup is local
+        assert b.info(hit.info.id).meta == {"who": "a"}
+        assert b.lookup(MODEL, t).matched == 600
+        assert b.remote.stats()["hits"] == 1
+        assert b.remote.stats().get("published", 0) == 0  # B does not publish it back
+
+
+def test_get_exact(tmp_path, remote_url):
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        t = toks(70, seed=1)
+        cache = kv_cache(70, seed=3, dtype=mx.float16)
+        a.put(MODEL, t, cache)
+        a.remote.flush(10)
+        assert b.get(MODEL, t[:-1]) is None
+        got = b.get(MODEL, t)
+        assert got is not None
+        same(got, cache)
+
+
+def test_longer_remote_match_reuses_local_blocks(tmp_path, remote_url):
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        full = kv_cache(700, seed=5)
+        t = toks(700, seed=2)
+        prefix = kv_cache(700, seed=5)
+        for layer in prefix:
+            layer.trim(700 - 520)
+        b.put(MODEL, t[:520], prefix)  # B holds the first 520 tokens
+        a.put(MODEL, t, full)
+        a.remote.flush(10)
+        b.remote.flush(10)
+        hit = b.lookup(MODEL, t + [1])
+        assert hit is not None and hit.matched == 700
+        same(hit.cache, full)
+        st = b.remote.stats()
+        # 2 whole 256-token blocks x 2 arrays x 2 layers came from B's own entry, not the network
+        assert st["blocks_reused"] == 8
+        assert st["bytes_fetched"] < sum(c.keys.nbytes + c.values.nbytes for c in full)
+
+
+def test_trimmed_remote_match(tmp_path, remote_url):
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        t = toks(400, seed=4)
+        cache = kv_cache(400, seed=7)
+        a.put(MODEL, t, cache)
+        a.remote.flush(10)
+        query = t[:300] + [29999, 29998]
+        assert b.peek(MODEL, query) == 300
+        hit = b.lookup(MODEL, query)
+        assert hit is not None and hit.matched == 300 and hit.trimmed == 100
+        expect = kv_cache(400, seed=7)
+        for layer in expect:
+            layer.trim(100)
+        same(hit.cache, expect)
+
+
+def test_recurrent_entries_match_only_whole(tmp_path, remote_url):
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        t = toks(300, seed=6)
+        ssm = SSMCache.from_parts(det((1, 3, 64), mx.float32, 23), det((1, 4, 16, 16), mx.float32, 24), [300])
+        cache = kv_cache(300, layers=1, seed=11) + [ssm]
+        a.put(MODEL, t, cache)
+        a.remote.flush(10)
+        assert b.lookup(MODEL, t[:299] + [1]) is None  # a shorter query cannot use it
+        hit = b.lookup(MODEL, t + [1, 2])
+        assert hit is not None and hit.matched == 300
+        same(hit.cache, cache)
+
+
+def test_model_identity_and_namespace_keep_apart(tmp_path, redis_cluster):
+    ns = f"t{next(_ns)}"
+    with PromptStore(tmp_path / "a", remote=url_of(redis_cluster, ns)) as a, \
+            PromptStore(tmp_path / "b", remote=url_of(redis_cluster, ns)) as b, \
+            PromptStore(tmp_path / "c", remote=url_of(redis_cluster, ns + "x")) as c:
+        t = toks(130, seed=8)
+        a.put(MODEL, t, kv_cache(130))
+        a.remote.flush(10)
+        assert b.lookup("other@" + "cd" * 16, t) is None
+        assert b.get("other@" + "cd" * 16, t) is None
+        assert c.lookup(MODEL, t) is None
+        assert b.lookup(MODEL, t).matched == 130
+
+
+def test_blocks_are_stored_once(tmp_path, redis_single):
+    ns = f"t{next(_ns)}"
+    with PromptStore(tmp_path / "a", remote=url_of(redis_single, ns)) as a:
+        t = toks(600, seed=3)
+        whole = kv_cache(600, seed=2)
+        part = kv_cache(600, seed=2)
+        for layer in part:
+            layer.trim(600 - 512)
+        a.put(MODEL, t[:512], part)
+        a.remote.flush(10)
+        first = a.remote.stats()["bytes_published"]
+        a.put(MODEL, t, whole)  # a conversation grown by 88 tokens
+        a.remote.flush(10)
+        st = a.remote.stats()
+        assert st["blocks_held"] == 8  # its first two blocks per array were there already
+        assert st["bytes_published"] - first == 2 * 2 * (88 * 2 * 32 * 2)  # only the new tail travelled
+        r = redis_single.client()
+        assert len(list(r.scan_iter(match=f"{ns}:b:*".encode()))) == 8 + 4  # 2 entries, 12 distinct blocks
+
+
+ACL = "+get +set +exists +hset +hgetall +scan +info +cluster|slots +command"
+
+
+@pytest.mark.parametrize("kind", ["single", "cluster"])
+def test_acl_user_limited_to_its_namespace(tmp_path, request, kind):
+    server = request.getfixturevalue("redis_single" if kind == "single" else "redis_cluster")
+    ns = f"acl{next(_ns)}"
+    nodes = server.nodes if kind == "cluster" else [server]
+    for node in nodes:
+        node.client().execute_command("ACL", "SETUSER", f"u{ns}", "on", ">pw", f"~{ns}:*", "resetchannels", *ACL.split())
+    url = f"redis://u{ns}:pw@127.0.0.1:{server.url.rsplit(':', 1)[1]}/0?ns={ns}"
+    a, b = pair(tmp_path, url)
+    with a, b:
+        t, cache = toks(300, seed=12), kv_cache(300, seed=12)
+        a.put(MODEL, t, cache)
+        assert a.remote.flush(10)
+        hit = b.lookup(MODEL, t)
+        assert hit is not None and hit.matched == 300 and b.remote.stats().get("errors", 0) == 0
+        same(hit.cache, cache)
+    other = url.replace(f"ns={ns}", f"ns={ns}other")  # the same user, another namespace: refused
+    with PromptStore(tmp_path / "c", remote=other) as c:
+        c.put(MODEL, t, cache)
+        c.remote.flush(10)
+        assert c.remote.stats()["errors"] >= 1 and c.remote.stats().get("published", 0) == 0

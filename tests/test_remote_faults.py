@@ -1,0 +1,195 @@
+"""Faults of the shared tier, on real servers: each gives a local-only answer
+or a miss (never wrong data, never a crash, never a hang past the timeout),
+counted in the tier's stats."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from _redis import (  # noqa: F401
+    free_port, fresh_cluster, fresh_single, redis_binary, redis_cluster, redis_root, redis_single, start_server,
+)
+from promptstore import PromptStore
+from test_remote import MODEL, kv_cache, same, toks, url_of
+
+_ns = itertools.count()
+
+
+def published(tmp_path, url, n=600, seed=0, name="a"):
+    """A store that put one entry of ``n`` tokens and published it; (tokens, cache)."""
+    t, cache = toks(n, seed=seed), kv_cache(n, seed=seed)
+    with PromptStore(tmp_path / name, remote=url) as a:
+        a.put(MODEL, t, cache)
+        assert a.remote.flush(10)
+        assert a.remote.stats().get("errors", 0) == 0
+    return t, cache
+
+
+def noise_cache(n: int, seed: int):
+    """KV layers of random values: no block equals another entry's (``det`` repeats)."""
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2):
+        c = KVCache()
+        c.update_and_fetch(mx.array(rng.standard_normal((1, 2, n, 32), dtype=np.float32)).astype(mx.float16),
+                           mx.array(rng.standard_normal((1, 2, n, 32), dtype=np.float32)).astype(mx.float16))
+        out.append(c)
+    return out
+
+
+def block_keys(client, ns):
+    return sorted(client.scan_iter(match=f"{ns}:b:*".encode()))
+
+
+def test_remote_down(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0?timeout=0.5"  # nothing listens there
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        t = toks(300)
+        cache = kv_cache(300)
+        b.put(MODEL, t[:200], kv_cache(200))  # the put itself never waits on the remote
+        start = time.monotonic()
+        hit = b.lookup(MODEL, t)  # the local answer stands
+        assert hit is not None and hit.matched == 200
+        assert b.lookup(MODEL, toks(10, seed=5)) is None
+        assert b.get(MODEL, t) is None
+        assert time.monotonic() - start < 3
+        b.remote.flush(5)
+        st = b.remote.stats()
+        assert st["errors.unavailable"] >= 1 and st["misses"] >= 1
+        assert st.get("skipped", 0) >= 1  # after the first failure it is left alone for a while
+        assert cache  # unused: the remote never answered
+
+
+def test_remote_slow_is_bounded(tmp_path, fresh_single):
+    ns = f"f{next(_ns)}"
+    url = url_of(fresh_single, ns, timeout=0.5)
+    t, cache = published(tmp_path, url)
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        fresh_single.pause()  # SIGSTOP: connections are accepted, nothing is answered
+        try:
+            start = time.monotonic()
+            assert b.lookup(MODEL, t) is None
+            took = time.monotonic() - start
+            assert took < 3, took
+            assert b.remote.stats()["errors.unavailable"] == 1
+        finally:
+            fresh_single.resume()
+        b.remote.remote.cooldown = 0
+        b.remote.remote._down_until = 0.0
+        hit = b.lookup(MODEL, t)  # it answers again: the tier reconnects
+        assert hit is not None and hit.matched == len(t)
+        same(hit.cache, cache)
+
+
+def test_master_killed_mid_fetch(tmp_path, fresh_cluster):
+    ns = f"f{next(_ns)}"
+    url = url_of(fresh_cluster, ns, timeout=0.5)
+    t, cache = published(tmp_path, url, n=1500)
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        key = b._remote_key(MODEL, np.asarray(t, dtype=np.uint32))
+        found = b.remote.remote.find(key)
+        assert found is not None and found.matched == len(t)
+        holders = {fresh_cluster.node_of(b.remote.remote.layout.block(a)).port for a, _ in found.manifest.parts()}
+        assert len(holders) == 3  # the entry's blocks are on every master
+        fresh_cluster.nodes[1].kill()  # between finding the entry and fetching its blocks
+        start = time.monotonic()
+        assert b.remote.remote.fetch(found) is None
+        b.remote.remote._down_until = 0.0  # skip the cool-down: try the whole path again
+        assert b.lookup(MODEL, t) is None  # a whole lookup now: a miss
+        assert time.monotonic() - start < 6
+        assert b.remote.stats()["errors.unavailable"] >= 1
+        assert not b.exists(MODEL, t)  # nothing half-fetched was stored
+        # a put with a master down: stored locally, the publish fails, counted
+        with PromptStore(tmp_path / "c", remote=url) as c:
+            c.put(MODEL, toks(600, seed=77), kv_cache(600, seed=3))
+            assert c.remote.flush(10)
+            assert c.remote.stats()["errors"] >= 1 and c.exists(MODEL, toks(600, seed=77))
+
+
+def test_evicted_blocks_are_a_miss(tmp_path, redis_single):
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_single, ns)
+    t, cache = published(tmp_path, url)
+    r = redis_single.client()
+    r.delete(block_keys(r, ns)[3])  # as maxmemory eviction would
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        assert b.lookup(MODEL, t) is None
+        assert b.get(MODEL, t) is None
+        st = b.remote.stats()
+        assert st["errors.missing"] == 2 and st.get("hits", 0) == 0
+        assert not b.exists(MODEL, t)
+    r.delete(*r.scan_iter(match=f"{ns}:m:*".encode()))  # manifest gone, index left: stale
+    with PromptStore(tmp_path / "c", remote=url) as c:
+        assert c.lookup(MODEL, t) is None
+        assert c.remote.stats()["stale_index"] == 1
+
+
+def test_maxmemory_eviction_never_gives_wrong_data(tmp_path, redis_binary):
+    server = start_server(redis_binary, tmp_path / "redis", extra=["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"])
+    try:
+        url = url_of(server, "evict")
+        entries = []
+        with PromptStore(tmp_path / "a", remote=url) as a:
+            for i in range(20):  # 20 x 0.3 MB through a 4 MB server
+                t, c = toks(600, seed=100 + i), noise_cache(600, seed=100 + i)
+                a.put(MODEL, t, c)
+                assert a.remote.flush(10)
+                entries.append((t, c))
+        assert int(server.client().info("stats")["evicted_keys"]) > 0
+        hits = 0
+        with PromptStore(tmp_path / "b", remote=url) as b:
+            for t, c in entries:
+                hit = b.lookup(MODEL, t)
+                if hit is not None:
+                    same(hit.cache, c)
+                    hits += 1
+            st = b.remote.stats()
+        assert 0 < hits < len(entries) and st["misses"] == len(entries) - hits
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_damaged_block(tmp_path, redis_cluster, damage):
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_cluster, ns)
+    t, cache = published(tmp_path, url)
+    r = redis_cluster.client()
+    k = block_keys(r, ns)[5]
+    v = bytearray(r.get(k))
+    v = {"flip": lambda: v[:100] + bytes([v[100] ^ 1]) + v[101:], "truncate": lambda: v[:-2], "empty": lambda: b""}[damage]()
+    r.set(k, bytes(v))
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        assert b.lookup(MODEL, t) is None
+        assert b.remote.stats()["errors.corrupt"] == 1
+        assert not b.exists(MODEL, t)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "pickle", "newer"])
+def test_damaged_manifest(tmp_path, redis_cluster, damage):
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_cluster, ns)
+    t, cache = published(tmp_path, url, n=100)
+    r = redis_cluster.client()
+    (k,) = list(r.scan_iter(match=f"{ns}:m:*".encode()))
+    v = bytes(r.get(k))
+    bad = {
+        "flip": v[:-5] + bytes([v[-5] ^ 0x40]) + v[-4:],
+        "truncate": v[: len(v) // 2],
+        "pickle": b'\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x05model\x94\x8c\x01x\x94s.',  # a pickle stream ({"model": "x"}); never unpickled: not even recognised
+        "newer": v[:3] + b"\x09" + v[4:],
+    }[damage]
+    r.set(k, bad)
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        assert b.lookup(MODEL, t) is None
+        assert b.get(MODEL, t) is None
+        st = b.remote.stats()
+        assert st[f"errors.{'newer' if damage == 'newer' else 'corrupt'}"] == 2
+        assert st["misses"] == 2
