@@ -87,7 +87,7 @@ def test_sparse_packs_are_rewritten(tmp_path):
         before = store.file_size()
         store.gc()  # or the next put: the pack is rewritten with its live blocks only
         with store.env.read() as txn:
-            assert _packing.dead(txn, store._db) == 0
+            assert _packing.dead(txn, store._db) < 1024  # only the new pack's footer
         assert store.file_size() < before - dead * 0.9
         tokens, cache = entry(toks, keys, 0, 300)
         got = store.get(MODEL, tokens)
@@ -105,8 +105,8 @@ from promptstore.format import _packs
 
 toks, keys = trunks(1, 6000)
 real = _packs.Packs.write
-def write(self, pack, views):
-    real(self, pack, views)
+def write(self, pack, views, blocks):
+    real(self, pack, views, blocks)
     if {kill!r} == "repack" and sum(len(v) for v in views) < 1 << 20:  # the rewrite of the sparse pack
         os.kill(os.getpid(), signal.SIGKILL)
 _packs.Packs.write = write
@@ -134,5 +134,5 @@ def test_a_kill_while_a_pack_is_rewritten_loses_nothing(tmp_path):
         store.gc()  # sweeps the stray file and rewrites the pack again, this time to the end
         assert store.verify().ok and store.verify().orphan_blobs == 0
         with store.env.read() as txn:
-            assert _packing.dead(txn, store._db) == 0
+            assert _packing.dead(txn, store._db) < 1024  # only the new pack's footer
         audit_blocks(store), audit_packs(store)

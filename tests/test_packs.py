@@ -56,12 +56,15 @@ def test_a_put_writes_its_new_blocks_to_one_pack_and_nothing_else(tmp_path):
         info = store.put(MODEL, t1, c1)
         assert len(packs(store)) == 1 and lmdb_blocks(store) == 0
         pack = store.path / _packs.DIRNAME / packs(store)[0]
-        assert pack.stat().st_size == 600 * 512 == info.nbytes  # the KV bytes, once, nothing more
+        held = store._packs.contents(_packs.pack_of(pack.name), "test")  # its footer: what it holds
+        assert sum(size for _, _, size in held) == 600 * 512 == info.nbytes  # the KV bytes, once
+        assert pack.stat().st_size == 600 * 512 + len(_packs.footer([(k, n) for k, _, n in held]))  # and its footer
         t2, c2 = chat(1500)
         store.put(MODEL, t2, c2)
         assert len(packs(store)) == 2
         second = [p for p in packs(store) if p != pack.name][0]
-        assert (store.path / _packs.DIRNAME / second).stat().st_size == 900 * 512  # only what the first lacks
+        held = store._packs.contents(_packs.pack_of(second), "test")
+        assert sum(size for _, _, size in held) == 900 * 512  # only what the first lacks
         assert same(store.get(MODEL, t1), c1) and same(store.get(MODEL, t2), c2)
         hit = store.lookup(MODEL, t2[:1000] + [7])  # a prefix of the longer entry: read from both packs
         assert hit.matched == 1000
@@ -141,8 +144,7 @@ def test_flipped_truncated_and_missing_packs_fail_closed(tmp_path):
         assert store.verify().ok
         # truncated: the file ends inside a block
         path = pack_file(store, shared)
-        size = path.stat().st_size
-        os.truncate(path, size - 100)
+        os.truncate(path, path.stat().st_size // 2)  # into its blocks, past the shared one
         with pytest.raises(CorruptEntry, match="ends inside"):
             store.get(MODEL, t1)
         # missing: a lost file, told from a deleted entry by a second snapshot
@@ -164,8 +166,8 @@ from promptstore import PromptStore
 from promptstore.format import _packs
 
 real = _packs.Packs.write
-def write(self, pack, views):
-    real(self, pack, views)
+def write(self, pack, views, blocks):
+    real(self, pack, views, blocks)
     os.kill(os.getpid(), signal.SIGKILL)  # the pack is on disk, its records are not
 _packs.Packs.write = write
 with PromptStore({path!r}) as store:

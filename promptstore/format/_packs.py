@@ -24,16 +24,23 @@ bookkeeping. The rules that keep a pack as safe as a blob file:
 - Names are never reused (64 random bits, created with ``O_EXCL``).
 - Every block is checked against its address whenever it is read.
 
+A pack ends with a footer naming its blocks (address and size of each, in
+file order, then their count and a magic string), so that ``salvage`` can
+find every block of a store whose data file lost the records that say where
+they are.
+
 Dead bytes (blocks no entry references any more, in a pack that still has
-live ones) stay on disk until the pack's last block goes.
+live ones) stay on disk until the pack's last block goes, or until the pack is
+rewritten (``store._packing``).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import struct
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 from promptstore.errors import StoreError
 from promptstore.format._blobs import Blobs, Vanished
@@ -42,6 +49,35 @@ MIN_BYTES = 64 << 10  # a put's new blocks of at least this many bytes go to a p
 DIRNAME = "packs"
 SUFFIX = ".pack"
 _HEX = frozenset("0123456789abcdef")
+MAGIC = b"PSPACK01"
+_ITEM = struct.Struct(">16sQ")  # address, size
+_TAIL = struct.Struct(">Q8s")  # count, magic
+
+
+def footer(blocks: Sequence[Tuple[bytes, int]]) -> bytes:
+    """The footer of a pack holding ``blocks`` (address, size) back to back from offset 0."""
+    return b"".join(_ITEM.pack(key, size) for key, size in blocks) + _TAIL.pack(len(blocks), MAGIC)
+
+
+def parse_footer(data: bytes, file_size: int) -> Optional[List[Tuple[bytes, int, int]]]:
+    """``(address, offset, size)`` of each block a pack's footer names, from
+    the file's last bytes ``data`` (at least the whole footer); None when
+    there is no intact footer."""
+    if len(data) < _TAIL.size:
+        return None
+    n, magic = _TAIL.unpack(data[-_TAIL.size :])
+    need = n * _ITEM.size + _TAIL.size
+    if magic != MAGIC or need > len(data) or need > file_size:
+        return None
+    out, offset = [], 0
+    body = data[len(data) - need : len(data) - _TAIL.size]
+    for i in range(n):
+        key, size = _ITEM.unpack_from(body, i * _ITEM.size)
+        out.append((key, offset, size))
+        offset += size
+    if offset + need != file_size:
+        return None
+    return out
 
 
 def name(pack: int) -> str:
@@ -66,9 +102,26 @@ class Packs:
     def new_number() -> int:
         return secrets.randbits(64) or 1
 
-    def write(self, pack: int, views) -> None:
-        """Write ``views`` back to back to a new pack file, durably (see ``Blobs.write``)."""
-        self.files.write(name(pack), views)
+    def write(self, pack: int, views, blocks: Sequence[Tuple[bytes, int]]) -> None:
+        """Write ``views`` (the bytes of ``blocks``: address, size) back to
+        back to a new pack file, and its footer, durably (see ``Blobs.write``)."""
+        self.files.write(name(pack), list(views) + [memoryview(footer(blocks))])
+
+    def contents(self, pack: int, where: str) -> Optional[List[Tuple[bytes, int, int]]]:
+        """What a pack's footer says it holds (see :func:`parse_footer`); None without one."""
+        fd = self.open(pack, where)
+        try:
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, min(size, _TAIL.size), max(0, size - _TAIL.size))
+            if len(tail) < _TAIL.size or tail[-8:] != MAGIC:
+                return None
+            n = _TAIL.unpack(tail)[0]
+            need = min(size, n * _ITEM.size + _TAIL.size)
+            return parse_footer(os.pread(fd, need, size - need), size)
+        except OSError as err:
+            raise StoreError(f"{where}: cannot read pack file {name(pack)} ({err})") from err
+        finally:
+            os.close(fd)
 
     def unlink(self, pack: int) -> None:
         self.files.unlink(name(pack))

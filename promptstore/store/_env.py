@@ -46,7 +46,9 @@ import lmdb
 
 from promptstore.format import _pages
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
-from promptstore.store._schema import DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, TABLES, U64, Tables, u64_or
+from promptstore.store._schema import (
+    DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
+)
 from promptstore.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedVersion
 
 log = logging.getLogger("promptstore")
@@ -131,6 +133,56 @@ class Env:
         self.db.replace(self._gen.db)
 
     # -- opening -------------------------------------------------------------
+
+    def check_identity(self) -> None:
+        """Refuse a data file that is not the store this folder held.
+
+        A store records a random identity in its data file and in the file
+        ``STORE_ID`` beside it. A data file emptied, cut to nothing or
+        replaced by another store's would otherwise open as a valid store
+        (LMDB makes a fresh one from an empty file) and hide the loss.
+        A store without the file (new, or written by an older release)
+        gets one.
+
+        Raises:
+            StoreUnavailable: the identities differ, or the data file has none
+                while the folder says it held a store (the files are closed).
+        """
+        marker = self.path / STORE_ID_FILE
+        try:
+            want: Optional[str] = marker.read_text().strip()
+        except FileNotFoundError:
+            want = None
+        except OSError as err:
+            self.close()
+            raise StoreUnavailable(f"{marker}: cannot read the store's identity ({err})") from err
+        with self.read() as txn:
+            raw = txn.get(STORE_ID_KEY, db=self.db.info)
+        have = bytes(raw).hex() if raw is not None else None
+        if want is not None and have != want:
+            self.close()
+            what = "holds no store (it was emptied, cut or recreated)" if have is None else f"belongs to another store ({have})"
+            raise StoreUnavailable(
+                f"{self.path}: this folder held store {want}, but its data file {what}: nothing of it can be read "
+                f"from there. `promptstore salvage {self.path} NEW_DIR` recovers what survives (pack and blob files); "
+                f"remove {marker} to use the folder as a new store"
+            )
+        if want is None and not self.readonly:
+            if have is None:
+                def write(txn) -> str:
+                    now = txn.get(STORE_ID_KEY, db=self.db.info)
+                    if now is None:  # not given one by another process meanwhile
+                        now = os.urandom(16)
+                        txn.put(STORE_ID_KEY, now, db=self.db.info)
+                    return bytes(now).hex()
+
+                have = self.write(write)
+            tmp = marker.with_name(f".{STORE_ID_FILE}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(have + "\n")
+                os.replace(tmp, marker)
+            except OSError as err:  # a folder this user cannot write: the store still works
+                log.warning("promptstore: cannot record the store's identity in %s (%s)", marker, err)
 
     def check_format(self, upgrade: Optional[Callable[[lmdb.Transaction, int], None]] = None) -> None:
         """Refuse a store whose table layout is newer than this promptstore's

@@ -55,13 +55,16 @@ def has_pack(txn, db: Tables, pack: int) -> bool:
 
 
 def record(txn, db: Tables, pack: int, blocks: Sequence[Tuple[bytes, int]]) -> int:
-    """Record a new pack holding ``blocks`` (address, size) back to back; returns its size."""
+    """Record a new pack holding ``blocks`` (address, size) back to back, then
+    its footer; returns the live bytes."""
     offset = 0
     for key, size in blocks:
         txn.put(key, pair(pack, offset), db=db.places)
         txn.put(member_key(pack, offset), key, db=db.packs)
         offset += size
-    txn.put(pack_key(pack), pair(offset, offset), db=db.packs)
+    file_size = offset + len(_packs.footer(blocks))
+    txn.put(pack_key(pack), pair(offset, file_size), db=db.packs)
+    _add_dead(txn, db, file_size - offset)
     return offset
 
 
@@ -160,10 +163,13 @@ def repack(txn, db: Tables, files: _packs.Packs, fresh: List[int], unlink_later:
     live_total = sum(n for _, n, _ in table)
     moved = 0
     for pack, n, size in table:
-        if dead(txn, db) <= DEAD_SHARE / 2 * live_total or n == size:
+        if dead(txn, db) <= DEAD_SHARE / 2 * live_total:
             break
+        live = members(txn, db, pack)
+        if size - n <= len(_packs.footer([(b"", 0)] * len(live))):
+            continue  # nothing dead but its footer
         try:
-            blocks = _read_live(files, pack, members(txn, db, pack), txn, db, where)
+            blocks = _read_live(files, pack, live, txn, db, where)
         except PromptStoreError as err:
             log.warning("promptstore: pack file %s not rewritten: %s", _packs.name(pack), err)
             continue
@@ -171,8 +177,8 @@ def repack(txn, db: Tables, files: _packs.Packs, fresh: List[int], unlink_later:
         while has_pack(txn, db, new):
             new = files.new_number()
         fresh.append(new)
-        files.write(new, [memoryview(data) for _, data in blocks])
-        for offset, key in members(txn, db, pack):
+        files.write(new, [memoryview(data) for _, data in blocks], [(key, len(data)) for key, data in blocks])
+        for offset, key in live:
             txn.delete(member_key(pack, offset), db=db.packs)
         txn.delete(pack_key(pack), db=db.packs)
         _add_dead(txn, db, -(size - n))

@@ -15,7 +15,8 @@ used        entry key                                  f64 last use (seconds sin
 lru         f64 last use + entry key                   empty: the entries in eviction order
 ids         entry id (16 hex digits, ASCII)            entry key
 info        ``format``, ``budget``, ``usage``,         u64
-            ``dead``, ``stat:<counter>``
+            ``dead``, ``stat:<counter>``;
+            ``store-id``                               16 bytes: the store's identity (``Env.check_identity``)
 pins        entry key                                  empty: present when pinned
 sizes       entry key                                  u64 bytes the entry accounts for
 blocks      block address (16 bytes, see format._blocks)  a shared block's bytes
@@ -78,6 +79,8 @@ OPTIONAL = frozenset({PINS, SIZES, BLOCKS, REFS, PLACES, PACKS, TRIMS, LRU})  # 
 
 # Keys of the ``info`` table.
 FORMAT_KEY = b"format"
+STORE_ID_KEY = b"store-id"  # 16 random bytes, also in the store folder's STORE_ID file
+STORE_ID_FILE = "STORE_ID"
 BUDGET_KEY = b"budget"
 USAGE_KEY = b"usage"
 

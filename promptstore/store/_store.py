@@ -117,6 +117,7 @@ class PromptStore:
         self._flusher: Optional[threading.Thread] = None
         self._flushing_lock = threading.Lock()
         env.check_format(self._maintenance.upgrade_format)
+        env.check_identity()
         if budget is not None:
             self.set_budget(budget)
         self._remote = tier

@@ -159,8 +159,9 @@ class EntryWriter:
         while _packing.has_pack(txn, db, pack):
             pack = self._packs.new_number()
         packs.append(pack)
-        self._packs.write(pack, [view for _, data, _ in new for view in _rows(data)])
-        _packing.record(txn, db, pack, [(key, size) for key, _, size in new])
+        blocks = [(key, size) for key, _, size in new]
+        self._packs.write(pack, [view for _, data, _ in new for view in _rows(data)], blocks)
+        _packing.record(txn, db, pack, blocks)
 
     def _release(self, txn, man: Manifest) -> None:
         """Drop one reference to each block of ``man``; remove blocks no entry references."""
