@@ -17,16 +17,19 @@ def salvage(src, dst, as_json):
     """Copy every intact entry of the store SRC into a new store DST.
 
     SRC is only read (a damaged store may not even open normally); each entry
-    is fully checked before it is copied. Then point --store at DST.
+    is fully checked before it is copied. When the data file's tree cannot be
+    walked (cut short, header pages destroyed), its bytes are scanned for
+    intact entries. Then point --store at DST.
     """
     report = run_salvage(src, dst)
     if as_json:
         emit_json({"src": report.src, "dst": report.dst, "copied": list(report.copied),
                    "skipped": [{"id": i, "why": w} for i, w in report.skipped],
-                   "unreadable_tables": list(report.unreadable_tables)})
+                   "unreadable_tables": list(report.unreadable_tables), "scanned": list(report.scanned)})
         return
     for eid, why in report.skipped:
         click.echo(f"skipped {eid}: {why}", err=True)
     if report.unreadable_tables:
         click.echo(f"warning: tables partly unreadable: {', '.join(report.unreadable_tables)}", err=True)
-    click.echo(f"salvaged {len(report.copied)} entries into {report.dst}; {len(report.skipped)} left behind")
+    scanned = f" ({len(report.scanned)} found by scanning the data file's bytes)" if report.scanned else ""
+    click.echo(f"salvaged {len(report.copied)} entries into {report.dst}{scanned}; {len(report.skipped)} left behind")

@@ -91,3 +91,4 @@ class SalvageReport:
     copied: Tuple[str, ...]  # entry ids copied intact
     skipped: Tuple[Tuple[str, str], ...]  # (entry id, why) left behind
     unreadable_tables: Tuple[str, ...]  # tables whose walk failed part way
+    scanned: Tuple[str, ...] = ()  # of ``copied``, the entries found by scanning the data file's bytes (its tree lost)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import lmdb
 
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 from promptstore.format import _blobs, _entry, _packs, _payload
-from promptstore.store import _budget, _keys
+from promptstore.store import _budget, _keys, _rawscan
 from promptstore.store._env import Env, live_dir, pages_needed
 from promptstore.store._read import assemble
 from promptstore.store._results import SalvageReport
@@ -151,35 +151,30 @@ def salvage(src, dst) -> SalvageReport:
         raise InvalidInput(f"{dst} exists and is not empty; salvage writes into a fresh directory")
     scratch = dst.parent / f".{dst.name}.salvage-src"
     shutil.rmtree(scratch, ignore_errors=True)
-    env, dbs = _open_source(src, scratch)
+    unopened: Optional[StoreUnavailable] = None
+    try:
+        env, dbs = _open_source(src, scratch)
+    except StoreUnavailable as err:
+        if not (live_dir(src)[0] / "data.mdb").exists():
+            raise
+        env, dbs, unopened = None, None, err  # its tree cannot be walked: the raw scan may still find entries
     copied: List[str] = []
     skipped: List[Tuple[str, str]] = []
+    raw_found: List[str] = []
+    broken: List[str] = []
     try:
-        ekeys, broken = _candidates(env, dbs)
-        budget = None
-        try:
-            with env.begin() as txn:
-                budget = _budget.get_budget(txn, dbs)
-        except Exception:
-            pass
         out = Env(dst)
         try:
             out.check_format()
             blobs, src_blobs = _blobs.Blobs(dst), _blobs.Blobs(src)
             packs = _packs.Packs(dst)
             writer = EntryWriter(dst, out, out.db, blobs, packs, Usage(out.db))
-            for ekey in ekeys:
-                eid = _keys.entry_id(ekey)
-                try:
-                    raw, man, chunks, blocks, used, pinned = _read_entry(env, dbs, ekey, src)
-                except Exception as err:  # lmdb errors on damaged pages included: skip, keep going
-                    skipped.append((eid, f"{type(err).__name__}: {err}"))
-                    continue
 
+            def copy(ekey: bytes, raw: bytes, man, chunks, blocks, used, pinned) -> None:
                 refs = [(key, blocks[key], size) for key, size in man.blocks()]
                 packed: List[int] = []
 
-                def write(txn, ekey=ekey, raw=raw, man=man, chunks=chunks, used=used, pinned=pinned, refs=refs, packed=packed) -> None:
+                def write(txn) -> None:
                     for pack in packed:  # a retried transaction writes its pack again
                         packs.unlink(pack)
                     packed.clear()
@@ -189,15 +184,76 @@ def salvage(src, dst) -> SalvageReport:
                     writer.add(txn, ekey, man.tokens, man.trimmable, raw, chunks, stamp, man.payload + len(raw), pinned, evict=False, blocks=refs, packs=packed)
 
                 out.write(write)
-                copied.append(eid)
+
+            budget = None
+            if env is not None:
+                ekeys, broken = _candidates(env, dbs)
+                try:
+                    with env.begin() as txn:
+                        budget = _budget.get_budget(txn, dbs)
+                except Exception:
+                    pass
+                for ekey in ekeys:
+                    eid = _keys.entry_id(ekey)
+                    try:
+                        raw, man, chunks, blocks, used, pinned = _read_entry(env, dbs, ekey, src)
+                    except Exception as err:  # lmdb errors on damaged pages included: skip, keep going
+                        skipped.append((eid, f"{type(err).__name__}: {err}"))
+                        continue
+                    copy(ekey, raw, man, chunks, blocks, used, pinned)
+                    copied.append(eid)
+            if env is None or broken or skipped:
+                done = set(copied)
+                for ekey, eid, outcome in _raw_pass(src, scratch, done):
+                    if isinstance(outcome, str):
+                        if eid not in {e for e, _ in skipped}:
+                            skipped.append((eid, outcome))
+                        continue
+                    copy(ekey, outcome.raw, outcome.man, outcome.chunks, outcome.blocks, None, False)
+                    copied.append(eid)
+                    raw_found.append(eid)
+                    skipped[:] = [(e, w) for e, w in skipped if e != eid]
+            if env is None and not copied and unopened is not None:
+                raise unopened
             if budget is not None:
                 out.write(lambda txn: _budget.set_budget(txn, out.db, budget))
         finally:
             out.close()
     finally:
-        env.close()
+        if env is not None:
+            env.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    return SalvageReport(str(src), str(dst), tuple(copied), tuple(skipped), tuple(broken))
+    return SalvageReport(str(src), str(dst), tuple(copied), tuple(skipped), tuple(broken), tuple(raw_found))
+
+
+def _raw_pass(src: Path, scratch: Path, done: Set[str]) -> Iterator[Tuple[bytes, str, Any]]:
+    """Entries found by scanning the data file's bytes (``_rawscan``) that
+    are not in ``done``: ``(entry key, id, Found)`` when every part was found
+    and checks, else ``(entry key, id, why not)``."""
+    where = f"{src} (scanned)"
+    data = _rawscan.DataFile(live_dir(src)[0] / "data.mdb")
+    try:
+        in_packs = _rawscan.pack_blocks(src, where)
+        for ekey, found in data.manifests(where).items():
+            eid = _keys.entry_id(ekey)
+            if eid in done:
+                continue
+            why = _rawscan.complete(found, data, in_packs, where)
+            if why is None:
+                try:
+                    man = found.man
+                    own = man.payload_only()
+                    if man.blob is not None:
+                        arrays = _blobs.Blobs(src).read(own, where)
+                    else:
+                        arrays = _payload.read_arrays(own, lambda i: found.chunks[i] if i < len(found.chunks) else None, where)
+                    assemble(found.blocks.get, man, arrays, where)  # every block checked against its address
+                    _entry.decode_layers(man, arrays, where)
+                except PromptStoreError as err:
+                    why = str(err)
+            yield ekey, eid, (found if why is None else f"scan: {why}")
+    finally:
+        data.close()
 
 
 __all__ = ["salvage", "SalvageReport"]
