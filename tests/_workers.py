@@ -142,7 +142,12 @@ def _crash_child(path: str, seed: int, fd: int, content: str, k: int) -> None:
     of the one before, and extend its chats, sharing its blocks."""
     from promptstore import PromptStore
 
+    maint = os.environ.get("PROMPTSTORE_TEST_MAINT") == "1"
     try:
+        if maint:  # rewrite packs at any dead byte: kills land inside rewrites too
+            from promptstore.store import _packing
+
+            _packing.DEAD_MIN = 0
         store = PromptStore(path, map_size=1 << 22)  # small map: growth happens under the kills too
         for i in range(10_000):
             a, b = _nth(content, seed, i, k)
@@ -152,6 +157,14 @@ def _crash_child(path: str, seed: int, fd: int, content: str, k: int) -> None:
             _say(fd, f"D {a} {b}")
             if i % 3 == 2:  # reads between writes: touches flushed by the next put
                 store.get(MODEL, entry_of(content, *_nth(content, seed, i - 1, k))[0])
+            if maint and i % 4 == 1:  # delete an earlier entry (its blocks' packs go partly dead)...
+                a2, b2 = _nth(content, seed, i - 1, k)
+                _say(fd, f"X {a2} {b2}")  # said first: killed after, it may or may not be gone
+                store.delete(MODEL, entry_of(content, a2, b2)[0])
+            if maint and i % 4 == 2:
+                store.gc()  # ...rewrite sparse packs, sweep strays
+            if maint and i % 8 == 7:
+                store.compact(upgrade=False)
     except BaseException:
         _say(fd, "E " + traceback.format_exc().replace("\n", " | "))
         os._exit(1)
@@ -177,6 +190,9 @@ def crash(path: str, kills: int, seed: int, content: str) -> dict:
         for line in lines:
             if line.startswith("D"):
                 done.append([int(x) for x in line.split()[1:]])
+            elif line.startswith("X"):  # deleted (or about to be): no longer promised
+                gone = [int(x) for x in line.split()[1:]]
+                done = [d for d in done if d != gone]
             elif line.startswith("E"):
                 errors.append(line)
         if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
