@@ -37,7 +37,9 @@ def get(obj, margs, pargs, output, as_json):
     rest is prefilled and the cache of the whole prompt is written in
     mlx-lm's prompt-cache format; pass the same --model string to
     mlx_lm.generate (it refuses another). A store that does not exist yet
-    is a miss; one this user may only read is read without recording use.
+    is a miss, unless a shared tier is set (--remote, PROMPTSTORE_REMOTE):
+    then the store is created to hold what the remote gives. One this user
+    may only read is read without recording use.
     """
     if output is not None:
         if not output.endswith(".safetensors"):
@@ -48,6 +50,8 @@ def get(obj, margs, pargs, output, as_json):
     if output is not None:
         check_length(loaded, len(tokens), margs)
     store = obj.reader_or_none(counted=True)
+    if store is None and obj.remote:  # no local store yet: the remote may hold it, and the store keeps what it gives
+        store = obj.store
     hit = best_lookup(store, loaded, tokens) if store is not None else None
     matched = hit.matched if hit else 0
     if output is not None:

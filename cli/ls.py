@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import click
 
+from promptstore import EntryInfo
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option
 from promptstore.cli._select import key_length, model_filter, model_help
+from promptstore.remote import Remote
+from promptstore.store._keys import entry_id
+from promptstore.store._results import utc
 
 SORTS = {
     "used": lambda i: i.last_used,
@@ -53,14 +58,61 @@ def plural(n: int, word: str = "entry") -> str:
     return f"{n} {word if n == 1 else (word[:-1] + 'ies' if word.endswith('y') else word + 's')}"
 
 
+@contextmanager
+def remote_of(obj, option: str) -> Iterator[Remote]:
+    """The shared tier the global ``--remote URL`` (or ``$PROMPTSTORE_REMOTE``)
+    names, connected without a local store, closed after.
+
+    Raises:
+        click.UsageError: no remote is set.
+        RemoteURLError: a URL the tier cannot use.
+    """
+    if not obj.remote:
+        raise click.UsageError(f"{option} needs a shared tier: promptstore --remote redis://HOST:PORT ... "
+                               "(or set PROMPTSTORE_REMOTE)")
+    remote = Remote(obj.remote)
+    try:
+        yield remote
+    finally:
+        remote.close()
+
+
+def remote_infos(remote: Remote) -> Tuple[List[EntryInfo], int]:
+    """EntryInfo of every readable remote entry (ids as the local store names
+    the same entry; ``last_used`` is the publish time: the remote records no use;
+    ``shared`` the bytes in blocks another remote entry names too), and the
+    bytes of the distinct blocks they name (each stored once on the remote).
+
+    Raises:
+        RemoteUnavailable: the remote cannot be read.
+    """
+    found = list(remote.entries())
+    users: Dict[bytes, int] = {}
+    sizes: Dict[bytes, int] = {}
+    for _, man in found:
+        for addr, n in man.parts():
+            users[addr] = users.get(addr, 0) + 1
+            sizes[addr] = n
+    infos = []
+    for ekey, man in found:
+        shared = sum(n for addr, n in man.parts() if users[addr] > 1)
+        when = utc(man.created)
+        infos.append(EntryInfo(id=entry_id(ekey), model=man.model, model_name=man.name, n_tokens=len(man.tokens),
+                               kinds=man.kinds, nbytes=man.nbytes, created=when, last_used=when,
+                               trimmable=man.trimmable, meta=dict(man.meta), shared=min(shared, man.nbytes)))
+    return infos, sum(sizes.values())
+
+
 @command()
 @click.option("--model", default=None, help=model_help("List"))
 @click.option("--sort", type=click.Choice(sorted(SORTS)), default="used", show_default=True, help="Order, largest or latest first.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most N entries.")
+@click.option("--remote", "from_remote", is_flag=True,
+              help="List the shared tier's entries (the global --remote URL or PROMPTSTORE_REMOTE), not the local store's.")
 @json_option
 @click.pass_obj
 @guarded
-def ls(obj, model, sort, limit, as_json):
+def ls(obj, model, sort, limit, from_remote, as_json):
     """List the entries in the store.
 
     KEY is a unique prefix of the entry id: pass it to rm or export. SIZE is
@@ -68,14 +120,27 @@ def ls(obj, model, sort, limit, as_json):
     frees), SHARED the part in prefix blocks it shares with other entries.
     LAST USED is local time (--json: ISO-8601 UTC). The store is opened
     read-only; a path with no store yet lists nothing.
+
+    With --remote, the entries of the shared tier (every host's), read with
+    a scan of its manifests: KEY is the id the local store gives the same
+    entry; OWN and SHARED split SIZE by the blocks other remote entries name
+    too; PUBLISHED (--json: created and last_used) is when it was published.
     """
-    store = obj.reader_or_none()  # read-only; no store yet lists nothing and creates none
-    everything = list(store.entries()) if store is not None else []
+    if from_remote:
+        with remote_of(obj, "ls --remote") as remote:
+            everything, _ = remote_infos(remote)
+        store = None
+    else:
+        store = obj.reader_or_none()  # read-only; no store yet lists nothing and creates none
+        everything = list(store.entries()) if store is not None else []
     keylen = key_length(i.id for i in everything)
     keep = model_filter(model)
     infos = sorted((i for i in everything if keep(i)), key=SORTS[sort], reverse=True)
     shown = infos[:limit] if limit else infos
-    own = store.own_bytes(i.id for i in shown) if store is not None else {}
+    if from_remote:
+        own = {i.id: i.own for i in shown}
+    else:
+        own = store.own_bytes(i.id for i in shown) if store is not None else {}
     if as_json:
         docs = []
         for i in shown:
@@ -87,7 +152,10 @@ def ls(obj, model, sort, limit, as_json):
         emit_json(docs)
         return
     if shown:
-        render_table(entry_rows(shown, keylen, own), right={3, 4, 5, 6})
+        rows = entry_rows(shown, keylen, own)
+        if from_remote:  # a remote keeps no record of use
+            rows[0] = rows[0][:-1] + ("PUBLISHED",)
+        render_table(rows, right={3, 4, 5, 6})
     total = sum(i.nbytes for i in infos)
     more = f" (showing {len(shown)})" if len(shown) < len(infos) else ""
     click.echo(f"{plural(len(infos))}, {format_size(total)}{more}")

