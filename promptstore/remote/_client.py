@@ -26,6 +26,7 @@ except ImportError:  # the remote tier is an extra: pip install 'promptstore[rem
     redis = None  # type: ignore[assignment]
 
 BATCH = 256  # commands per pipeline round trip
+GET_BATCH = 4096  # reads of one fetch: one round trip (blocks are at most a few MB each)
 
 
 class Client:
@@ -81,16 +82,17 @@ class Client:
     def close(self) -> None:
         self.reset()
 
-    def _pipelined(self, ops: Sequence[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]) -> List[Any]:
+    def _pipelined(self, ops: Sequence[Tuple[str, Tuple[Any, ...], Dict[str, Any]]], batch: int = 0) -> List[Any]:
         """Run ``(method, args, kwargs)`` pipeline commands in batches; their replies."""
         out: List[Any] = []
         if not ops:
             return out
         conn = self._connection()
         try:
-            for i in range(0, len(ops), BATCH):
+            step = batch or BATCH
+            for i in range(0, len(ops), step):
                 pipe = conn.pipeline(transaction=False)
-                for name, args, kwargs in ops[i : i + BATCH]:
+                for name, args, kwargs in ops[i : i + step]:
                     getattr(pipe, name)(*args, **kwargs)
                 out.extend(pipe.execute(raise_on_error=True))
         except Exception as err:
@@ -99,7 +101,7 @@ class Client:
         return out
 
     def get(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
-        return self._pipelined([("get", (k,), {}) for k in keys])
+        return self._pipelined([("get", (k,), {}) for k in keys], GET_BATCH)
 
     def exists(self, keys: Sequence[bytes]) -> List[bool]:
         return [bool(r) for r in self._pipelined([("exists", (k,), {}) for k in keys])]

@@ -35,10 +35,12 @@ import xxhash
 
 from promptstore.codecs import Encoded, decode_layer
 from promptstore.errors import PromptStoreError, UnknownStorageKind, UnsupportedVersion
-from promptstore.format import _blocks
+from promptstore.format import _blank, _blocks
 from promptstore.format._entry import DTYPE_NAMES, DTYPES, MAX_ARRAYS, MAX_LAYERS, MAX_TOKENS
 from promptstore.format._payload import host_bytes
 from promptstore.errors import RemoteCorrupt, RemoteMissing
+
+_SMALL = 1 << 20  # entries of fewer bytes are assembled in numpy, then copied into mlx
 
 MAGIC = b"PSR\x01"
 FORMAT = 1
@@ -328,20 +330,35 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str) -> List[
     """
     n = len(man.tokens)
     starts = (0,) + man.bounds[:-1]
+    # Every block is there, with the size the manifest gives it, before
+    # anything is allocated: a crafted manifest may claim any size.
+    for li, layer in enumerate(man.layers):
+        for a in layer.arrays:
+            got = 0
+            for addr, size in a.parts:
+                data = block(addr)
+                if data is None:
+                    raise RemoteMissing(f"{where} layer {li}: block {addr.hex()} is gone from the remote (evicted?)")
+                got += len(data)
+            if got != a.nbytes:
+                raise RemoteCorrupt(f"{where} layer {li}: array {a.name!r} has {got} bytes in its blocks, {a.nbytes} claimed")
+    sizes = [a.nbytes for layer in man.layers for a in layer.arrays]
+    # Large entries go straight into fresh mlx buffers (one copy); small ones
+    # through numpy (mlx's loader costs more than copying them again).
+    fresh = iter(_blank.blank(sizes)) if sum(sizes) >= _SMALL else None
     cache = []
     for li, layer in enumerate(man.layers):
         lw = f"{where} layer {li}"
         arrays: Dict[str, mx.array] = {}
         for a in layer.arrays:
-            host = np.empty(a.nbytes, dtype=np.uint8)
+            dest = next(fresh) if fresh is not None else np.empty(a.nbytes, dtype=np.uint8)
+            host = np.asarray(dest)
             if a.cut:
                 lead = math.prod(a.shape[:-2])
                 grid = host.reshape(lead, n, -1)
             pos = 0
             for idx, (addr, size) in enumerate(a.parts):
                 data = block(addr)
-                if data is None:
-                    raise RemoteMissing(f"{lw}: block {addr.hex()} is gone from the remote (evicted?)")
                 check_block(layer, a, idx, man.bounds, data, lw)
                 src = np.frombuffer(data, dtype=np.uint8)
                 if a.cut:
@@ -350,7 +367,8 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str) -> List[
                 else:
                     host[pos : pos + size] = src
                     pos += size
-            arrays[a.name] = mx.array(host).view(DTYPES[a.dtype]).reshape(a.shape)
+            whole = dest if fresh is not None else mx.array(host)
+            arrays[a.name] = whole.view(DTYPES[a.dtype]).reshape(a.shape)
         mx.eval(list(arrays.values()))
         try:
             cache.append(decode_layer(layer.kind, layer.version, arrays, layer.meta))
