@@ -109,6 +109,17 @@ def identities(spec: str, adapter_path: Optional[str] = None) -> List[str]:
     return [ident] if legacy == ident else [ident, legacy]
 
 
+def model_folder(spec: str) -> Path:
+    """The folder of a model given as put/get take it (a folder, or a Hugging
+    Face id resolved offline from the local cache), checked as an mlx-lm model.
+
+    Raises:
+        InvalidInput: not a model folder (config.json, weights) or cached Hugging Face id.
+    """
+    identities(spec)  # the checks and messages of put/get (the digest is remembered)
+    return resolve_model(spec)
+
+
 def load(margs: ModelArgs) -> Loaded:
     """Load the model (offline) and compute its identities.
 

@@ -7,12 +7,13 @@ from pathlib import Path
 import click
 
 from promptstore.cli._common import command, emit_json, guarded, json_option, model_option
+from promptstore.cli._model import MODEL_HELP, model_folder
 from promptstore.serving import DEFAULT_CHECKPOINTS
 from promptstore.serving._server import serve as run_server
 
 
 @command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@model_option()
+@model_option(help=MODEL_HELP)
 @click.option(
     "--checkpoints",
     type=click.IntRange(min=0),
@@ -26,8 +27,8 @@ from promptstore.serving._server import serve as run_server
     "--draft-model",
     "draft_dir",
     default=None,
-    metavar="DIR",
-    help="A draft model directory (same tokenizer): speculative decoding, hybrid models included. "
+    metavar="DIR|ORG/NAME",
+    help="A draft model, folder or Hugging Face id in the local cache (same tokenizer): speculative decoding, hybrid models included. "
     "Requests are then served one at a time, as mlx_lm.server does with a draft.",
 )
 @click.option(
@@ -62,23 +63,24 @@ def serve(obj, model_dir, checkpoints, draft_dir, num_draft_tokens, as_json, ser
     Recurrent state cannot be shared between entries, so for a model whose
     cache cannot be trimmed each conversation keeps a bounded history: the
     system-prompt checkpoint plus the --checkpoints latest turn boundaries
-    (a turn makes two). Pinned entries and entries written by `put` or
-    `warmup` are never deleted.
+    (a turn makes two, and on such a model a third at the end of the chat's
+    messages, which `promptstore get --messages` of the same chat looks up).
+    Pinned entries and entries written by `put` or `warmup` are never deleted.
+
+    MODEL may be a Hugging Face id already in the local cache: mlx_lm.server
+    is given its snapshot folder, so nothing is downloaded. Entries an older
+    release stored under the folder-named identity are found as by `get`.
     """
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise click.BadParameter(f"{model_dir}: not an mlx-lm model directory (no config.json)", param_hint="--model")
+    path = model_folder(model_dir)
     args = list(server_args)
     if draft_dir is not None:
-        if not (Path(draft_dir) / "config.json").is_file():
-            raise click.BadParameter(f"{draft_dir}: not an mlx-lm model directory (no config.json)",
-                                     param_hint="--draft-model")
-        args += ["--draft-model", str(Path(draft_dir))]
+        args += ["--draft-model", str(model_folder(draft_dir))]
     if num_draft_tokens is not None:
         args += ["--num-draft-tokens", str(num_draft_tokens)]
     stats = run_server(str(path), args, store=obj.store, checkpoints=checkpoints)
     if as_json:
-        emit_json({"store": str(obj.store.path), "model": str(path), "draft_model": draft_dir, "cache": stats})
+        emit_json({"store": str(obj.store.path), "model": str(Path(model_dir)), "model_path": str(path),
+                   "draft_model": draft_dir, "cache": stats})
     else:
         drafted = (
             f", {stats.get('draft_tokens', 0)} draft tokens ({stats.get('acceptance', 0.0):.0%} accepted)"

@@ -18,8 +18,10 @@ through the longest stored prefix of all but the last token.
 
 Model keys: mlx-lm passes ``(model_path, adapter_path, draft_path)``. It is
 mapped to ``fingerprint(model_path)``, the identity that ``promptstore
-put/get --model DIR`` use, so the server and the CLI share entries. A key
-that cannot be fingerprinted (an adapter, a hub id) is served from memory
+put/get --model DIR`` use, so the server and the CLI share entries; entries
+an older release stored under the folder-named identity are read too (as
+put/get read them), never written. A key that cannot be fingerprinted (an
+adapter, a Hugging Face id not in the local cache) is served from memory
 only, with a warning.
 
 Checkpoint history: recurrent state cannot be shared between coverages, so
@@ -67,10 +69,10 @@ from promptstore.serving._history import DEFAULT_CHECKPOINTS, SOURCE, History, c
 from promptstore.serving._memory import MemEntry, MemoryTier, checkout, view
 from promptstore.serving._writer import Job, Writer
 from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
-from promptstore.identity import fingerprint
+from promptstore.identity import fingerprint, legacy_fingerprint
 from promptstore.store import EntryInfo, PromptStore
 
-__all__ = ["PersistentPromptCache", "model_identity"]
+__all__ = ["PersistentPromptCache", "model_identity", "legacy_identities"]
 
 log = logging.getLogger("promptstore")
 
@@ -136,7 +138,8 @@ class PersistentPromptCache:
             Pinned entries, trimmable entries and entries written by others
             (``promptstore put``, warm-up) are never deleted. A turn usually
             leaves two checkpoints (the prompt up to its last token, and the
-            prompt plus the answer). 0 or None keeps every checkpoint.
+            prompt plus the answer; under ``promptstore serve`` a third at
+            the end of the chat's messages). 0 or None keeps every checkpoint.
             Pruning runs on the writer thread and its errors are logged.
             The memory tier is not pruned: it has its own LRU and budgets.
         gated_layers: maps a model key to one flag per layer of its caches
@@ -148,6 +151,12 @@ class PersistentPromptCache:
         ssm_layers: hand fetched caches out with SSMCache in gated-DeltaNet
             layers (for loops that run verify rounds); default mlx-lm's
             ArraysCache, which mlx-lm's server batches with its own.
+        older_ids: maps a model key to older identities whose stored entries
+            lookups also read (never written, pruned or rewritten; the
+            identity covering more of the query wins, ties to the current
+            one). Default: with the default ``model_id``,
+            :func:`legacy_identities` (the folder-named identity of older
+            releases), else none.
 
     Raises:
         InvalidInput: ``checkpoints`` is not None or an integer >= 0.
@@ -168,6 +177,7 @@ class PersistentPromptCache:
         checkpoints: Optional[int] = DEFAULT_CHECKPOINTS,
         gated_layers: Optional[Callable[[Any], Union[None, bool, Sequence[bool]]]] = None,
         ssm_layers: bool = False,
+        older_ids: Optional[Callable[[Any], Sequence[str]]] = None,
     ):
         keep = checkpoint_limit(checkpoints)  # before opening anything
         self._gated_layers = gated_layers or gated_by_config
@@ -177,7 +187,9 @@ class PersistentPromptCache:
         self.store = store if isinstance(store, PromptStore) else PromptStore(store)
         self._memory = MemoryTier(max_size, max_bytes if max_bytes is not None else 1 << 63)
         self._model_id = model_id or model_identity
+        self._older_ids = older_ids or (legacy_identities if model_id is None else _no_older)
         self._ids: Dict[Hashable, Optional[str]] = {}
+        self._older: Dict[Hashable, List[str]] = {}
         self._known: "OrderedDict[bytes, None]" = OrderedDict()
         self._lock = threading.Lock()
         self.persist = persist
@@ -244,8 +256,9 @@ class PersistentPromptCache:
         mkey = ident if ident is not None else ("memory-only", model)
         found = self._memory.best(mkey, q)
         m = found[1] if found else 0
-        if ident is not None and m < len(q) and not self._closed and self.store.peek(ident, q) > m:
-            hit = self.store.lookup(ident, q)
+        src, n = self._best_stored(model, ident, q) if ident is not None and m < len(q) and not self._closed else (None, 0)
+        if src is not None and n > m:
+            hit = self.store.lookup(src, q)
             if hit is not None and hit.matched > m:
                 cache = self._to_ssm(model, hit.cache, hit.matched)
                 layers, nbytes, trimmable = view(cache, hit.matched)
@@ -253,9 +266,11 @@ class PersistentPromptCache:
                 entry = MemEntry(mkey, q[: hit.matched].copy(), layers, nbytes,
                                  ctype if ctype in CACHE_TYPES else "assistant", trimmable, True)
                 self._memory.add(entry)
-                self._remember(ident, entry.tokens)
+                if src == ident:  # an entry under an older identity is not one under this one
+                    self._remember(ident, entry.tokens)
                 self._count("store_hits")
-                if any(a is not b for a, b in zip(cache, hit.cache)) and self.persist and hit.matched == hit.info.n_tokens:
+                if (src == ident and any(a is not b for a, b in zip(cache, hit.cache)) and self.persist
+                        and hit.matched == hit.info.n_tokens):
                     # An ``arrays`` entry written before: rewritten as ``ssm.gated_delta``.
                     meta = dict(hit.info.meta) if isinstance(hit.info.meta, dict) else {}
                     self._writer.submit(Job(ident, entry.tokens, layers, nbytes, meta, replace=True))
@@ -410,6 +425,20 @@ class PersistentPromptCache:
         self._ids[model] = ident
         return ident
 
+    def _best_stored(self, model: Any, ident: str, q: np.ndarray) -> Tuple[str, int]:
+        """The identity (``ident`` or an older one of ``model``) whose stored
+        entries cover the most of ``q``, and how much (manifests only; ties
+        go to ``ident``)."""
+        try:
+            older = self._older[model]
+        except KeyError:
+            try:
+                older = self._older[model] = list(self._older_ids(model))
+            except (PromptStoreError, OSError) as err:
+                log.warning("promptstore: older identities of model %r not read: %s", model, err)
+                older = self._older[model] = []
+        return max(((i, self.store.peek(i, q)) for i in [ident, *older]), key=lambda found: found[1])
+
     @staticmethod
     def _known_key(ident: str, toks: np.ndarray) -> bytes:
         h = hashlib.blake2b(ident.encode(), digest_size=16)
@@ -440,6 +469,31 @@ class PersistentPromptCache:
         """On the writer thread, after a commit: bound the checkpoint history."""
         self._history.prune(job.tokens, info)
 
+
+
+def legacy_identities(key: Any) -> List[str]:
+    """The folder-named identity that releases before content-named
+    identities gave a model directory (:func:`promptstore.identity.legacy_fingerprint`),
+    when it differs from :func:`model_identity`; none for a key with an
+    adapter or a draft, or that names no directory or cached Hugging Face id.
+    ``promptstore put/get`` read entries under it the same way."""
+    if isinstance(key, tuple):
+        path, adapter, draft = (tuple(key) + (None, None, None))[:3]
+    else:
+        path, adapter, draft = key, None, None
+    if adapter is not None or draft is not None or not isinstance(path, (str, os.PathLike)):
+        return []
+    if isinstance(path, str) and "@" in path and not os.path.isdir(path):
+        return []  # an identity string
+    try:
+        old = legacy_fingerprint(path)
+        return [] if old == fingerprint(path) else [old]
+    except PromptStoreError:
+        return []
+
+
+def _no_older(key: Any) -> List[str]:
+    return []
 
 
 def gated_by_config(key: Any) -> Union[None, bool, Sequence[bool]]:

@@ -23,8 +23,11 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from promptstore.codecs import codec_for_layer
+from promptstore.errors import PromptStoreError
+from promptstore.jobs.prefill import encode_prompt
 from promptstore.serving._cache import PersistentPromptCache, gated_by_config
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, checkpoint_limit
 from promptstore.serving._speculative import DraftCounters, make_stream_generate
@@ -176,8 +179,11 @@ def _generator_class(mlx_server):
     """mlx-lm's ResponseGenerator whose generation thread frees its mlx streams
     when it ends: a thread's stream left alive aborts the process at exit
     ("terminate called without an active exception"; mlx-lm's own server
-    does that on Ctrl-C with mlx 0.32)."""
+    does that on Ctrl-C with mlx 0.32); and which, for a model whose cache
+    cannot always be trimmed (hybrid), checkpoints a chat at the end of its
+    messages too (:func:`split_at_messages_end`)."""
     import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
 
     class ResponseGenerator(mlx_server.ResponseGenerator):
         def _run_generate(self):
@@ -187,4 +193,56 @@ def _generator_class(mlx_server):
                 if hasattr(mx, "clear_streams"):
                     mx.clear_streams()
 
+        def _tokenize(self, tokenizer, request, args):
+            prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            if request.request_type == "chat" and vision is None and not self._always_trimmable():
+                segments, types = split_at_messages_end(tokenizer, request.messages, prompt, segments, types)
+            return prompt, segments, types, state, vision
+
+        def _always_trimmable(self) -> bool:
+            provider = self.model_provider
+            known = getattr(self, "_ps_trimmable", None)
+            if known is None or known[0] != provider.model_key:
+                cache = make_prompt_cache(provider.model) if provider.model is not None else []
+                known = self._ps_trimmable = (provider.model_key, _always_trimmable(cache))
+            return known[1]
+
     return ResponseGenerator
+
+
+def _always_trimmable(cache: List[Any]) -> bool:
+    """Every layer's exact-class codec trims at any length (False for an
+    unregistered class: fail closed, which only adds a checkpoint)."""
+    try:
+        return all(codec_for_layer(c).always_trimmable for c in cache)
+    except PromptStoreError:
+        return False
+
+
+def split_at_messages_end(tokenizer: Any, messages: List[Any], prompt: List[int], segments: List[List[int]],
+                          types: List[str]) -> Tuple[List[List[int]], List[str]]:
+    """mlx-lm's prompt segments with the ``user`` segment that spans the end
+    of the messages (the chat templated without a generation prompt, as
+    ``promptstore get/put --messages`` encode it) cut there, so the server
+    checkpoints that boundary too. mlx-lm checkpoints the end of each segment
+    but the last, and the prompt but its last token: for a cache that cannot
+    be trimmed (hybrid), neither is what ``get --messages`` of the same chat
+    asks for. Unchanged when the messages' tokens are not a prefix of the
+    prompt (tools, template arguments) or end at a boundary already.
+    """
+    try:
+        end_tokens = encode_prompt(tokenizer, None, messages)
+    except Exception:  # a template that refuses them unprompted: no extra checkpoint
+        return segments, types
+    end = len(end_tokens)
+    if not 0 < end < len(prompt) - 1 or list(prompt[:end]) != end_tokens:
+        return segments, types
+    start = 0
+    for i, seg in enumerate(segments):
+        if start < end < start + len(seg):
+            if types[i] != "user":
+                break
+            cut = end - start
+            return segments[:i] + [seg[:cut], seg[cut:]] + segments[i + 1:], types[:i] + ["user", "user"] + types[i + 1:]
+        start += len(seg)
+    return segments, types
