@@ -137,6 +137,37 @@ def render(res: Dict[str, Any]) -> str:
         add("Durable puts of an 8-token entry; with the budget at the store's usage each put evicts the least "
             "recently used entry, found by walking the ordered last-use index (`lru`) from its start.")
         add("")
+    d = res.get("draft")
+    if d:
+        add(f"## Speculative decoding on the fixture hybrid ({d['layers']['target']} layers)")
+        add("")
+        add("| draft | tokens/s | vs no draft | draft tokens | accepted | acceptance |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: |")
+        add(f"| none (mlx-lm generate_step) | {d['no_draft']['tokens_per_s']:.1f} | 1.00 | | | |")
+        for key, label in (("self_draft", "the target itself"), ("small_draft", f"its first {d['layers']['small_draft']} layers")):
+            v = d[key]
+            add(f"| {label} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f} | {v['draft_tokens']} | {v['accepted']} | {v['acceptance']:.2f} |")
+        add("")
+        add(f"Greedy decoding of {d['max_tokens']} tokens after a {d['prompt_tokens']}-token prompt, {d['num_draft_tokens']} draft "
+            f"tokens per verify round, median of {d['repeats']} runs; the three produce the same tokens: {d['tokens_identical']}. "
+            "Random-weight fixtures: the acceptance of the smaller draft says nothing about real models.")
+        add("")
+    r = res.get("remote")
+    if r:
+        add("## Remote tier (one redis-server on loopback)")
+        add("")
+        if "skipped" in r:
+            add(f"Skipped: {r['skipped']}")
+        else:
+            add("| cache | keys | bytes | remote get s | raw pipelined GETs s | get / raw | read-through into a local store s | bit-exact |")
+            add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+            add(f"| {r['n_tokens']} tokens | {r['keys']} | {_size(r['bytes'])} | {r['fetch_s']:.3f} | {r['raw_s']:.3f} | "
+                f"{r['ratio']:.2f} | {r['lookup_s']:.3f} | {r['bits_exact']} |")
+            add("")
+            add("*remote get*: a second store finds the entry by its tokens and fetches, checks (every block against "
+                "its address) and assembles it; *raw*: one redis-py pipeline of GETs of the same keys; *read-through*: "
+                "`lookup` on a store without the entry, which also writes it into the local store.")
+        add("")
     rs = res["row_save"]
     add(f"## Saving row {rs['row']} of a batch of {rs['rows']}")
     add("")

@@ -126,7 +126,7 @@ def test_quick_run_cleans_its_scratch_and_reports_every_target(quick):
     res, md, tmp = quick
     assert [p.name for p in tmp.iterdir()] == ["bench.md"]  # scratch stores removed
     names = [t["name"] for t in res["targets"]]
-    assert len(names) == 4 * 2 + 2 + 1 + 1 + 1 + 2 * 3 + 2 + 1  # ... lookup, eviction, row save, ...
+    assert len(names) == 4 * 2 + 2 + 1 + 1 + 1 + 2 * 3 + 2 + 1 + 1  # ... lookup, eviction, row save, ..., remote
     assert len(set(names)) == len(names)
     assert md == render(res)
     for t in res["targets"]:

@@ -43,6 +43,8 @@ import mlx.core as mx
 from promptstore.bench import _cases as cases
 from promptstore.bench import _data as data
 from promptstore.bench import _sharing as sharing
+from promptstore.bench._draft import draft_cases
+from promptstore.bench._remote import remote_cases
 from promptstore.bench._chat import Chat, serve_chat
 
 __all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
@@ -156,6 +158,11 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
         progress("restore vs prefill on the fixture hybrid")
         out["prefill"] = cases.restore_vs_prefill(tmp, FIXTURE_HYBRID, plan.prefill_lengths, plan.prefill_repeats)
         out.update(_sharing_cases(tmp, plan, progress))
+        progress("speculative decoding on the fixture hybrid: no draft, self-draft, a smaller draft")
+        out["draft"] = draft_cases(5 if not quick else 1, 64 if not quick else 8, workdir=tmp)
+        progress(f"remote tier: {plan.sizes[0]}-token cache through a local redis-server")
+        (tmp / "remote").mkdir()
+        out["remote"] = remote_cases(tmp / "remote", plan.shape, plan.sizes[0], 5 if not quick else 2)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.time() - started
@@ -244,6 +251,12 @@ def targets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
         judge(f"stored / unique bytes ({s['conversations']} conversations sharing a {s['system']}-token system prompt, {how})",
               s["stored"] / s["unique"], "<=", 1.10,
               "store.usage() vs the system prompt's KV once plus each conversation's own")
+    r = res.get("remote")
+    if r and "skipped" not in r:
+        k = f"{r['n_tokens'] // 1024}K" if r["n_tokens"] >= 1024 else str(r["n_tokens"])
+        judge(f"remote get vs raw redis-py pipelined GETs ({k}), bit-exact", r["ratio"], ">=", 0.8,
+              "find + fetch + check + assemble of the entry vs one pipeline of GETs of the same keys, one "
+              "redis-server on loopback", holds=r["bits_exact"])
     p = res.get("prefix_read")
     if p:
         judge(f"prefix hit: bytes read / prefix bytes ({p['prefix']} of a {p['tokens']}-token entry), bit-exact",

@@ -1,0 +1,200 @@
+"""The draft row of ``promptstore bench``: greedy decode on the fixture hybrid
+without a draft, with a self-draft and with a smaller draft, with the acceptance.
+
+* no draft: mlx-lm's own ``generate_step`` on mlx-lm's cache (what a user
+  runs without promptstore);
+* self-draft: :func:`promptstore.ssm.speculative.speculative_generate_step`
+  with a second copy of the target as the draft (every draft token accepted:
+  the cost of verify rounds with nothing gained);
+* smaller draft: the same with the target's first ``draft_layers`` layers as
+  the draft, written to a scratch folder: config.json with fewer layers, the
+  target's tensors of those layers (and its embeddings and final norm), and
+  the target's tokenizer files. ``fixtures/make_fixtures.py`` seeds every
+  tensor by its name, so for the fixture this is the model it would write
+  with that many layers.
+
+Each variant prefills the prompt but its last token untimed, then is timed
+from the last prompt token to ``max_tokens`` generated tokens (decode only).
+The variants run interleaved, one of each per repeat, so a noisy machine
+slows them alike, after one untimed warm-up run each; times are medians. Every run of every variant must give
+the same tokens (greedy identity, ``==``), else the case raises.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+
+import mlx.core as mx
+import numpy as np
+
+from promptstore.errors import InvalidInput, PromptStoreError
+from promptstore.jobs.prefill import load_model
+from promptstore.ssm import adapt, make_prompt_cache
+from promptstore.ssm.speculative import SpeculativeStats, speculative_generate_step
+
+__all__ = ["FIXTURE_HYBRID", "draft_cases", "smaller_draft"]
+
+FIXTURE_HYBRID = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "qwen3_next"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def smaller_draft(model_dir: Path, out: Path, layers: int) -> Path:
+    """Write the first ``layers`` layers of ``model_dir`` as a model folder ``out``.
+
+    Raises:
+        InvalidInput: ``layers`` is not between 1 and the model's layer count
+            less one, or the folder has no config.json / model.safetensors.
+    """
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise InvalidInput(f"{model_dir}: no readable config.json ({err}); pass an mlx-lm model folder") from err
+    total = config.get("num_hidden_layers")
+    if not isinstance(total, int) or not 1 <= layers < total:
+        raise InvalidInput(f"a smaller draft of {model_dir} needs 1 <= layers < num_hidden_layers ({total}), got {layers}")
+    weights_file = model_dir / "model.safetensors"
+    if not weights_file.is_file():
+        raise InvalidInput(f"{model_dir}: no model.safetensors (a sharded model is not cut into a draft)")
+    weights = cast(Dict[str, mx.array], mx.load(str(weights_file)))  # a .safetensors file: a dict
+
+    def kept(name: str) -> bool:
+        parts = name.split(".")
+        return not (len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) >= layers)
+
+    out.mkdir(parents=True)
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    mx.save_safetensors(str(out / "model.safetensors"), {k: v for k, v in sorted(weights.items()) if kept(k)},
+                        metadata={"format": "mlx"})
+    for name in _TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out / name)
+    return out
+
+
+def _prefilled(model: Any, prompt: List[int], cache: List[Any]) -> List[Any]:
+    model(mx.array(prompt)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _plain(model: Any, prompt: List[int], max_tokens: int) -> Tuple[List[int], float]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+
+    cache = _prefilled(model, prompt[:-1], mlx_make_prompt_cache(model))
+    t0 = time.perf_counter()
+    tokens = [int(t) for t, _ in generate_step(mx.array(prompt[-1:]), model, max_tokens=max_tokens, prompt_cache=cache)]
+    return tokens, time.perf_counter() - t0
+
+
+def _speculative(model: Any, draft: Any, prompt: List[int], max_tokens: int, k: int,
+                 stats: SpeculativeStats) -> Tuple[List[int], float]:
+    cache = _prefilled(model, prompt[:-1], make_prompt_cache(model))
+    dcache = _prefilled(draft, prompt[:-1], make_prompt_cache(draft))
+    t0 = time.perf_counter()
+    tokens = [t for t, _, _ in speculative_generate_step(
+        mx.array(prompt[-1:]), model, draft, num_draft_tokens=k, max_tokens=max_tokens,
+        prompt_cache=cache, draft_cache=dcache, stats=stats)]
+    return tokens, time.perf_counter() - t0
+
+
+def draft_cases(
+    repeats: int,
+    max_tokens: int,
+    *,
+    model_dir: Path = FIXTURE_HYBRID,
+    num_draft_tokens: int = 3,
+    prompt_tokens: int = 32,
+    draft_layers: int = 2,
+    workdir: Optional[Path] = None,
+    seed: int = 0,
+) -> Dict[str, Any]:
+    """Greedy decode tokens/s without a draft, with a self-draft and with a smaller draft.
+
+    Args:
+        repeats: timed runs of each variant (median reported).
+        max_tokens: tokens generated per run.
+        model_dir: the target model (default: the fixture hybrid, qwen3_next).
+        num_draft_tokens: tokens drafted per verify round.
+        prompt_tokens: length of the (random, seeded) prompt.
+        draft_layers: layers of the smaller draft.
+        workdir: where the smaller draft's scratch folder goes (removed after).
+        seed: the prompt's seed.
+
+    Returns:
+        ``{"model", "prompt_tokens", "max_tokens", "num_draft_tokens",
+        "repeats", "layers": {"target", "small_draft"}, "tokens_identical",
+        "no_draft": {...}, "self_draft": {...}, "small_draft": {...}}``;
+        each variant has ``seconds`` (median), ``tokens_per_s`` and, with a
+        draft, ``speedup`` (over no draft, same run), ``rounds``,
+        ``draft_tokens``, ``accepted`` and ``acceptance`` (over every run,
+        the warm-up included).
+
+    Raises:
+        InvalidInput: a size below 1 or a model that cannot be cut.
+        PromptStoreError: a variant's tokens differ from plain greedy decoding.
+    """
+    if repeats < 1 or max_tokens < 1 or prompt_tokens < 2 or num_draft_tokens < 1:
+        raise InvalidInput("draft_cases needs repeats >= 1, max_tokens >= 1, prompt_tokens >= 2, num_draft_tokens >= 1")
+    model_dir = Path(model_dir)
+    tmp = Path(tempfile.mkdtemp(prefix="promptstore-draft-", dir=workdir))
+    try:
+        small_dir = smaller_draft(model_dir, tmp / "draft", draft_layers)
+        plain, tokenizer = load_model(str(model_dir))
+        target, _ = load_model(str(model_dir))
+        self_draft, _ = load_model(str(model_dir))
+        small, _ = load_model(str(small_dir))
+        for m in (target, self_draft, small):
+            adapt(m)  # before the untimed prefill into SSMCache layers (bit-identical)
+        vocab = int(tokenizer.vocab_size)
+        prompt = np.random.default_rng(seed).integers(3, vocab, size=prompt_tokens).tolist()
+        stats = {"self_draft": SpeculativeStats(), "small_draft": SpeculativeStats()}
+        runs: Dict[str, Callable[[], Tuple[List[int], float]]] = {
+            "no_draft": lambda: _plain(plain, prompt, max_tokens),
+            "self_draft": lambda: _speculative(target, self_draft, prompt, max_tokens, num_draft_tokens, stats["self_draft"]),
+            "small_draft": lambda: _speculative(target, small, prompt, max_tokens, num_draft_tokens, stats["small_draft"]),
+        }
+        times: Dict[str, List[float]] = {name: [] for name in runs}
+        want: Optional[List[int]] = None
+        for r in range(repeats + 1):  # run 0 warms up (checked, not timed)
+            for name, run in runs.items():
+                tokens, seconds = run()
+                if want is None:
+                    want = tokens
+                elif tokens != want:
+                    raise PromptStoreError(
+                        f"bench draft: {name} (repeat {r}) generated {tokens} where plain greedy decoding "
+                        f"generated {want}; speculative decoding must be greedy-identical"
+                    )
+                if r:
+                    times[name].append(seconds)
+        out: Dict[str, Any] = {
+            "model": str(model_dir),
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+            "num_draft_tokens": num_draft_tokens,
+            "repeats": repeats,
+            "layers": {"target": len(target.layers), "small_draft": len(small.layers)},
+            "tokens_identical": True,
+        }
+        base = statistics.median(times["no_draft"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            row: Dict[str, Any] = {"seconds": med, "tokens_per_s": max_tokens / med}
+            if name in stats:
+                st = stats[name]
+                row.update(speedup=base / med, rounds=st.rounds, draft_tokens=st.drafted,
+                           accepted=st.accepted, acceptance=st.acceptance)
+            out[name] = row
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
