@@ -35,7 +35,7 @@ import xxhash
 
 from promptstore.codecs import Encoded, decode_layer
 from promptstore.errors import PromptStoreError, UnknownStorageKind, UnsupportedVersion
-from promptstore.format import _blank, _blocks
+from promptstore.format import _blank, _blocks, _fill
 from promptstore.format._entry import DTYPE_NAMES, DTYPES, MAX_ARRAYS, MAX_LAYERS, MAX_TOKENS
 from promptstore.format._payload import host_bytes
 from promptstore.errors import RemoteCorrupt, RemoteMissing
@@ -353,6 +353,8 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str) -> List[
         for a in layer.arrays:
             dest = next(fresh) if fresh is not None else np.empty(a.nbytes, dtype=np.uint8)
             host = np.asarray(dest)
+            if fresh is not None and not _fill.resident(host):
+                _fill.populate(host)  # fault its pages in at once, not one at a time inside the copies
             if a.cut:
                 lead = math.prod(a.shape[:-2])
                 grid = host.reshape(lead, n, -1)
