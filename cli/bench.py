@@ -168,6 +168,16 @@ def render(res: Dict[str, Any]) -> str:
                 "its address) and assembles it; *raw*: one redis-py pipeline of GETs of the same keys; *read-through*: "
                 "`lookup` on a store without the entry, which also writes it into the local store.")
         add("")
+        rt = res.get("remote_ttft") or {}
+        if rt.get("rows"):
+            add("| fixture hybrid, prompt tokens | cold prefill + first token s | from the remote + first token s | speedup | same first token |")
+            add("| ---: | ---: | ---: | ---: | --- |")
+            for row in rt["rows"]:
+                add(f"| {row['tokens']} | {row['cold_s']:.3f} | {row['remote_s']:.3f} | {row['cold_s'] / row['remote_s']:.1f}x | {row['same_first_token']} |")
+            add("")
+            add("Store A prefilled and published the prompt; store B (local copy deleted before each repeat) reads it "
+                "through from the remote, writes it locally and runs the last token.")
+        add("")
     rs = res["row_save"]
     add(f"## Saving row {rs['row']} of a batch of {rs['rows']}")
     add("")

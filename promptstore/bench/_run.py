@@ -44,7 +44,7 @@ from promptstore.bench import _cases as cases
 from promptstore.bench import _data as data
 from promptstore.bench import _sharing as sharing
 from promptstore.bench._draft import draft_cases
-from promptstore.bench._remote import remote_cases
+from promptstore.bench._remote import remote_cases, remote_ttft
 from promptstore.bench._chat import Chat, serve_chat
 
 __all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
@@ -163,6 +163,9 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
         progress(f"remote tier: {plan.sizes[0]}-token cache through a local redis-server")
         (tmp / "remote").mkdir()
         out["remote"] = remote_cases(tmp / "remote", plan.shape, plan.sizes[0], 5 if not quick else 2)
+        progress("remote tier: time to first token on a second store, the prompt prefilled by the first")
+        (tmp / "remote-ttft").mkdir()
+        out["remote_ttft"] = remote_ttft(tmp / "remote-ttft", FIXTURE_HYBRID, list(plan.prefill_lengths[-2:]), plan.prefill_repeats)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.time() - started
