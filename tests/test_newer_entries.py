@@ -129,3 +129,47 @@ def test_cli_verify_fix_keeps_newer_entries(tmp_path):
     assert r.exit_code == 0 and "newer" in r.output and "kept" in r.output
     with PromptStore(path) as s:
         assert len(list(s.entries())) == 2
+
+
+NEWER_RELEASE = """
+import sys
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from promptstore import PromptStore
+from promptstore.codecs import codec_for_kind
+
+codec_for_kind("kv").version += 1  # this process is a newer release: kv entries at the next codec version
+with PromptStore({path!r}) as s:
+    for i in range({n}):
+        c = KVCache()
+        k = mx.random.normal((1, 2, 120 + i, 8), key=mx.random.key(50 + i))
+        c.update_and_fetch(k, k + 1)
+        s.put({model!r}, [7000 + i] * (120 + i), [c])
+"""
+
+
+def test_a_newer_release_writing_to_the_same_store_loses_nothing_to_verify_fix(tmp_path):
+    """A second process, a newer release (its kv codec one version up), writes
+    entries into a store this release also writes: this release's verify
+    lists them as newer and --fix keeps every one; its own entries stay."""
+    import subprocess
+    import sys
+
+    path, n = tmp_path / "s", 6
+    with PromptStore(path) as s:
+        for i in range(3):
+            s.put(MODEL, list(range(10 * (i + 1))), kv(10 * (i + 1), i))
+    proc = subprocess.run([sys.executable, "-c", NEWER_RELEASE.format(path=str(path), n=n, model=MODEL)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with PromptStore(path) as s:
+        report = s.verify(fix=True)
+        assert report.ok and len(report.newer) == n and not report.problems
+        assert len(list(s.entries())) == 3 + n  # n of n kept, and this release's 3
+        for i in range(3):
+            assert s.get(MODEL, list(range(10 * (i + 1)))) is not None
+        with pytest.raises(UnsupportedVersion):
+            s.get(MODEL, [7000] * 120)
+        s.put(MODEL, list(range(40)), kv(40, 9))  # and this release goes on writing beside them
+        assert s.verify().ok and len(s.verify().newer) == n
+    print(f"\nnewer release: {n} of {n} entries kept by verify --fix")
