@@ -121,3 +121,25 @@ def test_a_cache_without_coverage_is_stored_only_with_coverage_given(store):
         store.put("m@test", [1, 2, 3], [layer], coverage=4)
     info = store.put("m@test", [1, 2, 3], [layer], coverage=3)
     assert info.kinds == ("arrays",) and store.get("m@test", [1, 2, 3]) is not None
+
+
+def test_a_put_never_replaces_ssm_state_with_plain_arrays(tmp_path):
+    """The same tokens put as mlx-lm's ArraysCache over a stored
+    ``ssm.gated_delta`` entry: refused, the entry unchanged; the other way
+    round (arrays first, then ssm.gated_delta) is an upgrade and allowed."""
+    from promptstore import InvalidInput
+
+    model, _, fp, _ = load_fixture("qwen3_next")
+    tokens = sample_tokens(40, seed=4)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(fp, tokens, prefill(model, tokens))
+        (info,) = list(store.entries())
+        assert "ssm.gated_delta" in info.kinds
+        with pytest.raises(InvalidInput, match="to_ssm"):
+            store.put(fp, tokens, _mlx_prefilled(model, tokens))
+        (still,) = list(store.entries())
+        assert still.id == info.id and still.kinds == info.kinds and store.verify().ok
+        other = sample_tokens(30, seed=5)
+        store.put(fp, other, _mlx_prefilled(model, other))  # arrays first ...
+        store.put(fp, other, prefill(model, other))  # ... then upgraded
+        assert all("arrays" not in e.kinds for e in store.entries())

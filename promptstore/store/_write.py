@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from promptstore.codecs import Encoded, codec_for_kind
-from promptstore.errors import PromptStoreError
+from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _fill, _packs, _payload
 from promptstore.format._entry import Manifest
 from promptstore.store import _budget, _index, _keys, _packing
@@ -43,6 +43,9 @@ class Written:
     payload: int  # the entry's own array bytes
     shared: int = 0  # array bytes in shared blocks
     written: int = 0  # bytes of the blocks this put added (the rest were stored already)
+
+
+_GATED = "ssm.gated_delta"
 
 
 class Changed(PromptStoreError):
@@ -328,6 +331,7 @@ class EntryWriter:
         def write(txn) -> int:
             if expect is not None and bytes(txn.get(ekey, b"", db=self._db.entries)) != expect:
                 raise Changed(eid)
+            self._same_representation(txn, ekey, [rec["kind"] for rec in records])
             chunks: Iterable[Any] = ()
             man = manifest
             # Files are written under the writer lock; a retried transaction
@@ -360,6 +364,24 @@ class EntryWriter:
                     self._packs.unlink(num)
             raise
         return Written(eid, now, payload, shared, new)
+
+    def _same_representation(self, txn, ekey: bytes, kinds: Sequence[str]) -> None:
+        """Refuse to replace an entry whose layers hold gated-DeltaNet state as
+        ``ssm.gated_delta`` (with coverage) by one that holds it as plain
+        ``arrays`` (the other direction, an upgrade, is allowed).
+
+        Raises:
+            InvalidInput: the put would downgrade the stored representation.
+        """
+        old = self._readable(txn, ekey)
+        if old is None or len(old.kinds) != len(kinds):
+            return
+        for i, (was, now) in enumerate(zip(old.kinds, kinds)):
+            if _GATED in was and _GATED not in now and "arrays" in now:
+                raise InvalidInput(
+                    f"{self.path}: entry {old.entry_id} holds layer {i} as {was}; this put would replace it by {now} "
+                    "(mlx-lm's ArraysCache): convert the cache with promptstore.ssm.to_ssm(cache, len(tokens)) first"
+                )
 
     def _base(self, model: str, mid: bytes, toks: np.ndarray) -> Tuple[Tuple[int, ...], int]:
         """The block bounds of the stored entry sharing the longest prefix
