@@ -8,21 +8,14 @@ acceptance; entries are ``ssm.gated_delta``."""
 from __future__ import annotations
 
 import http.client
-import json
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
-import urllib.request
-from pathlib import Path
 from typing import List
 
 import pytest
 
 from conftest import MODELS
 from promptstore import fingerprint
-from test_serving_server import cached, cli_json, free_port, text
+from test_serving_server import Server, cached, cli_json, text
 
 SYSTEM = "You are a terse assistant that answers in one line."
 PROMPTS = ["Name three colours of the rainbow, please.", "What is a prompt cache?", "Count to five."]
@@ -32,55 +25,8 @@ def _chat(user: str) -> list:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-class Server:
-    """One `promptstore serve` subprocess with extra options."""
-
-    def __init__(self, store: Path, model: str, log: Path, *extra: str):
-        self.port = free_port()
-        self.log = open(log, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "promptstore.cli", "--store", str(store), "serve", "--json",
-             "--model", str(MODELS / model), *extra, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=self.log,
-        )
-        deadline = time.monotonic() + 90
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}; see {log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"server did not come up in 90 s; see {log}")
-            time.sleep(0.1)
-
-    def chat(self, messages, max_tokens: int = 12, **extra) -> dict:
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.load(r)
-
-    def stop(self) -> dict:
-        self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=60)
-        self.log.close()
-        assert self.proc.returncode == 0, f"exit {self.proc.returncode}"
-        return json.loads(out)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.communicate(timeout=30)
-        self.log.close()
-
-
 def _answers(srv: Server) -> List[dict]:
-    return [srv.chat(_chat(p)) for p in PROMPTS]
+    return [srv.chat(_chat(p), max_tokens=12) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
@@ -146,8 +92,8 @@ def test_draft_server_refuses_what_it_cannot_run_and_keeps_serving(tmp_path):
         # mlx-lm's server answers a request whose generation raised with an
         # error status, or (non-streaming) by closing the connection
         with pytest.raises((urllib.error.HTTPError, http.client.RemoteDisconnected)):
-            srv.chat(_chat(PROMPTS[0]), repetition_penalty=1.3)
-        ok = srv.chat(_chat(PROMPTS[0]))
+            srv.chat(_chat(PROMPTS[0]), max_tokens=12, repetition_penalty=1.3)
+        ok = srv.chat(_chat(PROMPTS[0]), max_tokens=12)
         assert text(ok) and ok["usage"]["completion_tokens"] > 0
     except BaseException:
         srv.kill()

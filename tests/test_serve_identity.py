@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -22,57 +19,9 @@ from conftest import MODELS, load_fixture
 from promptstore import PromptStore, fingerprint
 from promptstore.jobs.prefill import prefill
 from test_cli_newcomer_model import _fake_hf_cache
-from test_serving_server import FIRST, cached, free_port, text
+from test_serving_server import FIRST, Server, cached, text
 
 LLAMA = MODELS / "llama"
-
-
-class Server:
-    """One `promptstore serve --json` subprocess on MODEL as given (folder or id)."""
-
-    def __init__(self, store: Path, model: str, log: Path, env: Optional[Dict[str, str]] = None):
-        self.port = free_port()
-        self.log = open(log, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "promptstore.cli", "--store", str(store), "serve", "--json",
-             "--model", model, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=self.log, env=env,
-        )
-        deadline = time.monotonic() + 90
-        while True:
-            if self.proc.poll() is not None:
-                self.log.close()
-                raise AssertionError(f"server exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"server did not come up in 90 s; see {log}")
-            time.sleep(0.1)
-
-    def chat(self, messages, max_tokens: int = 6) -> dict:
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0}).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.load(r)
-
-    def stop(self) -> dict:
-        self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=60)
-        self.log.close()
-        assert self.proc.returncode == 0, f"exit {self.proc.returncode}"
-        return json.loads(out)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.communicate(timeout=30)
-        self.log.close()
 
 
 def cli(store: Path, *args, env: Optional[Dict[str, str]] = None) -> object:
@@ -89,7 +38,7 @@ def test_serve_takes_a_cached_hugging_face_id_and_finds_entries_of_the_older_ide
     log = tmp_path / "server.log"
     fp = fingerprint(LLAMA)
 
-    srv = Server(tmp_path / "a", "tiny-org/tiny-llama", log, env)
+    srv = Server(tmp_path / "a", "tiny-org/tiny-llama", log, env=env)
     try:
         r1 = srv.chat(FIRST)
         assert cached(r1) == 0

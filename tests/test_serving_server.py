@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Dict, Optional
 
 import pytest
 
@@ -28,20 +29,25 @@ def free_port() -> int:
 
 
 class Server:
-    """One `promptstore serve` subprocess."""
+    """One `promptstore serve --json` subprocess on 127.0.0.1.
 
-    def __init__(self, store: Path, model: str, log: Path):
+    ``model``: a fixture's name, or as the CLI takes it (a folder, a Hugging
+    Face id); ``extra``: more serve options; ``env``: the process's environment."""
+
+    def __init__(self, store: Path, model: str, log: Path, *extra: str, env: Optional[Dict[str, str]] = None):
         self.port = free_port()
         self.log = open(log, "ab")
+        where = str(MODELS / model) if "/" not in model else model
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "promptstore.cli", "--store", str(store), "serve", "--json",
-             "--model", str(MODELS / model), "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=self.log,
+             "--model", where, *extra, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=self.log, env=env,
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}; see {log}")
+                self.log.close()
+                raise AssertionError(f"server exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -50,15 +56,15 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.kill()
-                raise AssertionError(f"server did not come up in 60 s; see {log}")
+                raise AssertionError(f"server did not come up in 90 s; see {log}")
             time.sleep(0.1)
 
-    def chat(self, messages, max_tokens: int = 6) -> dict:
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0}).encode()
+    def chat(self, messages, max_tokens: int = 6, **extra) -> dict:
+        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}).encode()
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=120) as r:
             return json.load(r)
 
     def stop(self) -> dict:
