@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreError
 from promptstore.format import _packs
@@ -91,35 +91,31 @@ def free(txn, db: Tables, key: bytes, where: Tuple[int, int], size: int) -> Opti
     return pack
 
 
-def packs(txn, db: Tables) -> List[Tuple[int, int, int]]:
-    """``(pack, live bytes, file bytes)`` of every recorded pack."""
-    out = []
-    cur = txn.cursor(db=db.packs)
-    ok = cur.set_range(_P)
-    while ok:
-        k = bytes(cur.key())
-        if not k.startswith(_P):
-            break
-        rec = parse_pair(cur.value())
-        if len(k) == 9 and rec is not None:
-            out.append((U64.unpack(k[1:])[0], rec[0], rec[1]))
-        ok = cur.next()
-    return out
-
-
-def members(txn, db: Tables, pack: int) -> List[Tuple[int, bytes]]:
-    """``(offset, address)`` of a pack's live blocks, in file order."""
-    out = []
-    head = _M + U64.pack(pack)
+def _under(txn, db: Tables, head: bytes) -> Iterator[Tuple[bytes, bytes]]:
+    """``(key, value)`` of the ``packs`` records whose key starts with ``head``, in order."""
     cur = txn.cursor(db=db.packs)
     ok = cur.set_range(head)
     while ok:
         k = bytes(cur.key())
         if not k.startswith(head):
-            break
-        out.append((U64.unpack(k[9:17])[0], bytes(cur.value())))
+            return
+        yield k, bytes(cur.value())
         ok = cur.next()
+
+
+def packs(txn, db: Tables) -> List[Tuple[int, int, int]]:
+    """``(pack, live bytes, file bytes)`` of every recorded pack."""
+    out = []
+    for k, v in _under(txn, db, _P):
+        rec = parse_pair(v)
+        if len(k) == 9 and rec is not None:
+            out.append((U64.unpack(k[1:])[0], rec[0], rec[1]))
     return out
+
+
+def members(txn, db: Tables, pack: int) -> List[Tuple[int, bytes]]:
+    """``(offset, address)`` of a pack's live blocks, in file order."""
+    return [(U64.unpack(k[9:17])[0], v) for k, v in _under(txn, db, _M + U64.pack(pack))]
 
 
 def rebuild(txn, db: Tables, size_of: Callable[[bytes], int]) -> List[int]:

@@ -132,11 +132,11 @@ def _one_object(data, start: int) -> Optional[bytes]:
     return bytes(data[start : start + unpacker.tell()])
 
 
-def pack_blocks(root: Path, where: str) -> Dict[bytes, Tuple[Path, int, int]]:
+def pack_blocks(root: Path, where: str) -> Dict[bytes, Tuple[int, int, int]]:
     """Every block the store's pack files name in their footers: address ->
-    (file, offset, size). Packs without an intact footer are left out."""
+    (pack, offset, size). Packs without an intact footer are left out."""
     packs = _packs.Packs(root)
-    out: Dict[bytes, Tuple[Path, int, int]] = {}
+    out: Dict[bytes, Tuple[int, int, int]] = {}
     try:
         numbers = packs.numbers()
     except PromptStoreError:
@@ -147,11 +147,11 @@ def pack_blocks(root: Path, where: str) -> Dict[bytes, Tuple[Path, int, int]]:
         except PromptStoreError:
             continue
         for key, offset, size in held or ():
-            out.setdefault(key, (packs.files.path(_packs.name(pack)), offset, size))
+            out.setdefault(key, (pack, offset, size))
     return out
 
 
-def complete(found: Found, data: DataFile, in_packs: Dict[bytes, Tuple[Path, int, int]], where: str) -> Optional[str]:
+def complete(found: Found, data: DataFile, in_packs: Dict[bytes, Tuple[int, int, int]], packs: _packs.Packs, where: str) -> Optional[str]:
     """Find the parts of ``found``'s entry: its payload chunk (LMDB entries
     of one chunk; blob files are read by the caller) and every shared block.
     Returns why it cannot be recovered, or None."""
@@ -181,7 +181,7 @@ def complete(found: Found, data: DataFile, in_packs: Dict[bytes, Tuple[Path, int
             if key in found.blocks:
                 continue
             nbytes = math.prod(shape) * size
-            block = _read_packed(in_packs.get(key), nbytes)
+            block = _read_packed(packs, in_packs.get(key), nbytes, where)
             if block is None:
                 block = next((v for v in data.values(key, nbytes) if _blocks.address(layer.kind, layer.version, rec.dtype, shape, v) == key), None)
             if block is None:
@@ -190,13 +190,11 @@ def complete(found: Found, data: DataFile, in_packs: Dict[bytes, Tuple[Path, int
     return None
 
 
-def _read_packed(place: Optional[Tuple[Path, int, int]], nbytes: int) -> Optional[bytes]:
+def _read_packed(packs: _packs.Packs, place: Optional[Tuple[int, int, int]], nbytes: int, where: str) -> Optional[bytes]:
     if place is None or place[2] != nbytes:
         return None
     try:
-        with open(place[0], "rb") as f:
-            f.seek(place[1])
-            data = f.read(nbytes)
-    except OSError:
+        data = packs.read(place[0], place[1], nbytes, where)
+    except PromptStoreError:
         return None
     return data if len(data) == nbytes else None

@@ -234,11 +234,12 @@ def _raw_pass(src: Path, scratch: Path, done: Set[str]) -> Iterator[Tuple[bytes,
     data = _rawscan.DataFile(live_dir(src)[0] / "data.mdb")
     try:
         in_packs = _rawscan.pack_blocks(src, where)
+        src_packs = _packs.Packs(src)
         for ekey, found in data.manifests(where).items():
             eid = _keys.entry_id(ekey)
             if eid in done:
                 continue
-            why = _rawscan.complete(found, data, in_packs, where)
+            why = _rawscan.complete(found, data, in_packs, src_packs, where)
             if why is None:
                 try:
                     man = found.man
