@@ -1,10 +1,10 @@
-"""Filling restore buffers straight from the data file, on two threads.
+"""Filling restore buffers straight from the data file, on several threads.
 
 Copying a payload out of LMDB's memory map costs a page-table entry per
 source page: each restore faults the pages in and (to keep the resident set
 at one copy) drops them again. ``pread(2)`` from the same file copies out of
 the page cache inside the kernel with no source mapping at all, and, with
-the GIL released, two threads do it at once, as mlx's own loader does. Each
+the GIL released, several threads do it at once, as mlx's own loader does. Each
 thread checksums what it has just read (xxh3-64 over 1 MiB pieces, while
 they are in its CPU cache) through the C library the ``xxhash`` package is
 built on, called by ctypes, which also releases the GIL.
@@ -30,7 +30,19 @@ from promptstore.format import _pages
 T = TypeVar("T")
 
 PIECE = 1 << 20  # read then hash 1 MiB at a time: the hash reads it from cache
-_WORKERS = 2
+
+
+def _workers() -> int:
+    """How many fill threads: ``PROMPTSTORE_FILL_THREADS`` when it is a
+    positive integer, else one per core, at least 2 and at most 8 (mlx's
+    own loader reads on several threads too)."""
+    raw = os.environ.get("PROMPTSTORE_FILL_THREADS", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+WORKERS = _workers()
 _MADV_POPULATE_WRITE = 23
 _POPULATE_MIN = 1 << 20
 
@@ -278,7 +290,7 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="promptstore-fill")
+            _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="promptstore-fill")
         return _pool
 
 
@@ -387,8 +399,8 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]], bo
     restore has about a hundred arrays, and handing them out one by one
     costs a pool round trip each (measured in docs/performance.md).
     """
-    lanes: List[List[int]] = [[] for _ in range(_WORKERS)]
-    loads = [0] * _WORKERS
+    lanes: List[List[int]] = [[] for _ in range(WORKERS)]
+    loads = [0] * WORKERS
     for k in sorted(range(len(jobs)), key=lambda k: -jobs[k][0].nbytes):
         light = loads.index(min(loads))
         lanes[light].append(k)

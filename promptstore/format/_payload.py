@@ -7,7 +7,7 @@ into ``CHUNK``-byte LMDB values.
 
 Reading copies each array once, into fresh mlx buffers, and verifies every
 checksum: :func:`read_arrays` / :func:`read_mapped` from buffers (LMDB values
-or a mapped blob file), :func:`read_file` with ``pread`` on two threads.
+or a mapped blob file), :func:`read_file` with ``pread`` on the fill threads.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     """Read the payload with ``pread`` from the data file, chunk ``i`` being
     at file offset ``offsets[i]``, into fresh mlx arrays; verify checksums.
 
-    The reads and checksums run on two threads with the GIL released
+    The reads and checksums run on the fill threads with the GIL released
     (:mod:`_fill`), into mlx buffers that nothing has written before
     (:mod:`_blank`). The arrays share buffers of up to 64 MiB (a larger one
     gets its own), since each buffer costs the loader a call back into

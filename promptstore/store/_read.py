@@ -222,7 +222,7 @@ def assemble(
     and ``offset`` (a value's offset in it, None when unknown) are given.
     The rest are copied out of the map, and ``release(buf)`` drops their
     pages from the process's mapping (fetching a value maps all of its
-    pages). ``threads``: read files on the two fill threads.
+    pages). ``threads``: read files on the fill threads.
 
     Raises:
         CorruptEntry: a block is missing or damaged.
@@ -318,7 +318,7 @@ def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, 
     against its address (``_read_one``). ``groups``: each destination (its
     bytes) with its blocks read from files; a destination not yet resident
     is populated first, in one call (as ``_fill`` does for payloads). With
-    ``threads``, on the fill threads (two lanes balanced by bytes)."""
+    ``threads``, on the fill threads (one lane per thread, balanced by bytes)."""
 
     fresh = {id(dest) for dest, _ in groups if threads and not _fill.resident(dest)}  # mincore here, not on the threads
 
@@ -336,8 +336,8 @@ def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, 
         if not threads:
             errors = [run(groups)]
         else:
-            lanes: List[List[Tuple[np.ndarray, List[_Block]]]] = [[], []]
-            loads = [0, 0]
+            lanes: List[List[Tuple[np.ndarray, List[_Block]]]] = [[] for _ in range(_fill.WORKERS)]
+            loads = [0] * _fill.WORKERS
             for g in sorted(groups, key=lambda g: -g[0].nbytes):
                 light = loads.index(min(loads))
                 lanes[light].append(g)
