@@ -15,12 +15,13 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from promptstore import PromptStore
+from promptstore import PromptStore, fingerprint
 from promptstore.format import _entry, _pages, _payload
 from promptstore.format._blocks import BLOCK_TOKENS
 from promptstore.bench import _data as data
 from promptstore.bench import _sharing as sharing
 from promptstore.bench._chat import Chat
+from promptstore.bench._fixture import FIXTURES_ENV, HYBRID, fixture_model
 from promptstore.bench._mem import _status
 from promptstore.bench import targets
 from promptstore.cli import main
@@ -30,12 +31,42 @@ from _bits import bits_equal
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One ``promptstore bench --quick --json --out`` run, shared by the checks below."""
+    """One ``promptstore bench --quick --json --out`` run, shared by the checks below.
+
+    The repository's fixture models are hidden from it (``$PROMPTSTORE_FIXTURES``
+    names an empty folder), as they are from an installed package: the bench
+    builds the fixture hybrid it needs into its scratch folder.
+    """
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "bench.md"
-    result = CliRunner().invoke(main, ["bench", "--quick", "--json", "--out", str(out), "--dir", str(tmp)])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FIXTURES_ENV, str(tmp_path_factory.mktemp("no-fixtures")))
+        result = CliRunner().invoke(main, ["bench", "--quick", "--json", "--out", str(out), "--dir", str(tmp)])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout), out.read_text(), tmp
+
+
+def test_quick_run_builds_its_fixture_and_reports_its_backend(quick):
+    res, md, tmp = quick
+    assert Path(res["fixture_hybrid"]).parent.parent.parent == tmp  # built in the scratch folder, removed after
+    m = res["machine"]
+    assert m["mlx"] == mx.__version__ and m["device"] == str(mx.default_device())
+    assert m["backend"] == ("cpu" if mx.default_device() == mx.cpu else "metal" if mx.metal.is_available() else "cuda")
+    assert f"mlx {mx.__version__} on {mx.default_device()}" in md
+
+
+def test_fixture_model_is_built_byte_identical_when_the_repository_has_none(tmp_path, monkeypatch):
+    repo = Path(__file__).resolve().parents[1] / "fixtures" / "models" / HYBRID
+    monkeypatch.delenv(FIXTURES_ENV, raising=False)
+    assert fixture_model(HYBRID, tmp_path / "unused") == repo  # in a checkout: the committed copy
+    assert not (tmp_path / "unused").exists()
+    monkeypatch.setenv(FIXTURES_ENV, str(tmp_path / "empty"))
+    built = fixture_model(HYBRID, tmp_path / "scratch")
+    assert built == tmp_path / "scratch" / "fixtures" / HYBRID
+    names = sorted(p.name for p in repo.iterdir())
+    assert sorted(p.name for p in built.iterdir()) == names
+    assert all((built / n).read_bytes() == (repo / n).read_bytes() for n in names)
+    assert fingerprint(built) == fingerprint(repo)
 
 
 def test_quick_run_measures_every_case(quick):

@@ -131,6 +131,7 @@ def test_damage_past_the_prefix_does_not_touch_a_prefix_hit(tmp_path):
     store.close()
 
 
+@pytest.mark.shape_dependent
 def test_prefix_hit_continues_like_a_fresh_prefill():
     """On the dense fixture: a 700-token prefix of a stored 2000-token entry,
     read block-wise, generates what the stored cache's own prefix generates."""

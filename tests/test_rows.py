@@ -152,6 +152,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.shape_dependent
 def test_each_row_continues_in_a_fresh_process(saved, tmp_path):
     """Restore every row in a new process, continue greedily through BatchGenerator:
     the tokens (and logprobs, bit for bit) are what the uninterrupted batch produced."""
@@ -250,6 +251,7 @@ def test_extracted_row_does_not_keep_the_batch_alive():
     assert all(bits_equal(a, b) for a, b in zip(want, _batch_state(row)))
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_restored_row_joins_a_running_batch_of_3_bit_identically(name, saved):
     """A row restored from the store joins a running batch of 3 (BatchGenerator.insert):

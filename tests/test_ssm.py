@@ -113,6 +113,7 @@ def test_adapt_is_reversible_and_keeps_parameters():
     assert adapt(llama) == 0 and all(type(c) is KVCache for c in make_prompt_cache(llama))
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
 @pytest.mark.parametrize("adapted", [False, True])
 def test_padded_batch_prefill_matches_serial_rows(arch, adapted):
@@ -138,6 +139,7 @@ def test_padded_batch_prefill_matches_serial_rows(arch, adapted):
 # -- verify rounds -------------------------------------------------------------
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_rollback_folds_to_fresh_forward_serial(arch):
     model, _ = fixture(arch, True)
@@ -153,6 +155,7 @@ def test_rollback_folds_to_fresh_forward_serial(arch):
         assert same(model(mx.array([[7]]), cache=cache), model(mx.array([[7]]), cache=fresh))
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
 @pytest.mark.parametrize("keeps", [[2, 0, 5], [4, 1, 3]])
 def test_rollback_folds_per_row_keeps_in_a_batch_of_3(arch, keeps):
@@ -202,6 +205,7 @@ READS = {
 }
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("read", sorted(READS))
 def test_every_read_folds_pending_rows(read):
     model, _ = fixture("qwen3_next", True)

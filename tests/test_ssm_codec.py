@@ -149,6 +149,7 @@ def _pending_cache(model, keep):
     return cache
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_encoding_writes_the_folded_state(arch):
     model = _model(arch)
@@ -175,6 +176,7 @@ def test_persisting_an_open_round_is_refused(tmp_path):
         assert store.get("m@test", PROMPT) is None
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_persisted_pending_cache_continues_like_the_uninterrupted_run(arch, tmp_path):
     """Save with pending rows, restore, continue greedily: same tokens and logits as

@@ -40,17 +40,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from promptstore._backend import backend
 from promptstore.bench import _cases as cases
 from promptstore.bench import _data as data
 from promptstore.bench import _sharing as sharing
+from promptstore.bench._fixture import HYBRID, fixture_model
 from promptstore.bench._draft import draft_cases
 from promptstore.bench._remote import remote_cases, remote_ttft
 from promptstore.bench._chat import Chat, serve_chat
 
 __all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
-
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURE_HYBRID = ROOT / "fixtures" / "models" / "qwen3_next"
 
 
 def _hugetlb_tunable() -> Optional[str]:
@@ -129,10 +128,14 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
             "processor": platform.processor() or platform.machine(),
             "mlx": mx.__version__,  # type: ignore[attr-defined]  # not in mlx's stubs
             "device": str(mx.default_device()),
+            "backend": backend(),
             "scratch": str(tmp),
         },
     }
     try:
+        # the repository's fixture hybrid, or (an installed package) one built here
+        hybrid = fixture_model(HYBRID, tmp)
+        out["fixture_hybrid"] = str(hybrid)
         out["throughput"] = []
         out["memory"] = []
         out["throughput_hugetlb"] = []
@@ -156,16 +159,16 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
         progress("row save from a batch of 8")
         out["row_save"] = cases.row_save(tmp, plan.shape, plan.row_tokens)
         progress("restore vs prefill on the fixture hybrid")
-        out["prefill"] = cases.restore_vs_prefill(tmp, FIXTURE_HYBRID, plan.prefill_lengths, plan.prefill_repeats)
+        out["prefill"] = cases.restore_vs_prefill(tmp, hybrid, plan.prefill_lengths, plan.prefill_repeats)
         out.update(_sharing_cases(tmp, plan, progress))
         progress("speculative decoding on the fixture hybrid: no draft, self-draft, a smaller draft")
-        out["draft"] = draft_cases(5 if not quick else 1, 64 if not quick else 8, workdir=tmp)
+        out["draft"] = draft_cases(5 if not quick else 1, 64 if not quick else 8, model_dir=hybrid, workdir=tmp)
         progress(f"remote tier: {plan.sizes[0]}-token cache through a local redis-server")
         (tmp / "remote").mkdir()
         out["remote"] = remote_cases(tmp / "remote", plan.shape, plan.sizes[0], 5 if not quick else 2)
         progress("remote tier: time to first token on a second store, the prompt prefilled by the first")
         (tmp / "remote-ttft").mkdir()
-        out["remote_ttft"] = remote_ttft(tmp / "remote-ttft", FIXTURE_HYBRID, list(plan.prefill_lengths[-2:]), plan.prefill_repeats)
+        out["remote_ttft"] = remote_ttft(tmp / "remote-ttft", hybrid, list(plan.prefill_lengths[-2:]), plan.prefill_repeats)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.time() - started

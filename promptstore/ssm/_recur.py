@@ -207,3 +207,70 @@ def fold(
     conv = mx.take(mx.concatenate(convs, axis=0), inverse, axis=0)
     new_state = mx.take(mx.concatenate(states, axis=0), inverse, axis=0)
     return conv, new_state
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The slots a recorded window passed through, one entry per position count.
+
+    ``convs[p]`` and ``states[p]`` are the conv and recurrent state after the
+    first ``p`` positions (``p`` in ``0..S``); ``ys[t]`` is the output of
+    position ``t`` (``[B, 1, Hv, Dv]``).
+    """
+
+    convs: List[mx.array]
+    states: List[mx.array]
+    ys: List[mx.array]
+
+
+def trajectory(
+    conv_state: Optional[mx.array],
+    state: Optional[mx.array],
+    chunk: Chunk,
+    n_keep: int,
+    use_kernel: bool,
+) -> Trajectory:
+    """Replay a recorded chunk from the pre-round slots, one position per call.
+
+    The reference of the rollback contract: the state a verify window reached
+    after each of its positions. It runs the recorded operands through
+    :func:`recurrence` one position at a time, which is the window's own
+    per-position loop (mlx-lm's ops path steps through positions with
+    operands of the same shapes whatever the window length; the kernel keeps
+    a float32 state across positions, as the float32 state slot does between
+    calls), so it does not depend on how the window was shaped. Nothing here
+    is used on the serving path.
+
+    Args:
+        conv_state, state: the slots before the window (None: a fresh cache).
+        chunk: the window's recorded inputs.
+        n_keep: conv tail length (``conv_kernel_size - 1``).
+        use_kernel: the dispatch the window used.
+
+    Returns:
+        The conv and recurrent states after ``0..S`` positions, and the
+        per-position outputs.
+    """
+    B, S, conv_dim = chunk.qkv.shape
+    if conv_state is None:
+        conv_state = mx.zeros((B, n_keep, conv_dim), dtype=chunk.qkv.dtype)
+    if state is None:
+        state = mx.zeros((B, chunk.v.shape[2], chunk.v.shape[3], chunk.q.shape[3]), dtype=mx.float32)
+    conv_input = mx.concatenate([conv_state, chunk.qkv], axis=1)
+    convs = [mx.contiguous(conv_input[:, p : p + n_keep, :]) for p in range(S + 1)]
+    states, ys = [state], []
+    for t in range(S):
+        step = slice(t, t + 1)
+        y, state = recurrence(
+            chunk.q[:, step],
+            chunk.k[:, step],
+            chunk.v[:, step],
+            chunk.g[:, step],
+            chunk.beta[:, step],
+            state,
+            None if chunk.mask is None else chunk.mask[:, step],
+            use_kernel,
+        )
+        states.append(state)
+        ys.append(y)
+    return Trajectory(convs, states, ys)
