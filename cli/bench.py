@@ -152,6 +152,21 @@ def render(res: Dict[str, Any]) -> str:
             f"tokens per verify round, median of {d['repeats']} runs; the three produce the same tokens: {d['tokens_identical']}. "
             "Random-weight fixtures: the acceptance of the smaller draft says nothing about real models.")
         add("")
+        o = d.get("one_at_a_time")
+        if o:
+            add(f"{o['requests']} concurrent requests of {d['max_tokens']} tokens each, prompt to last token (prefill "
+                f"included), median of {o['repeats']} runs:")
+            add("")
+            add("| served | seconds | tokens/s |")
+            add("| --- | ---: | ---: |")
+            for key, label in (("serial_self_draft", "one at a time, self-draft (the server with a draft)"),
+                               ("serial_no_draft", "one at a time, no draft"),
+                               ("batched_no_draft", "one BatchGenerator batch, no draft (the server without a draft)")):
+                add(f"| {label} | {o[key]['seconds']:.3f} | {o[key]['tokens_per_s']:.1f} |")
+            add("")
+            add(f"Served one at a time with the self-draft, the requests take {1 / o['self_draft_vs_batched']:.2f}x the "
+                f"batch's time; the batch's tokens equal the one-at-a-time tokens: {o['batched_tokens_identical']}.")
+            add("")
     r = res.get("remote")
     if r:
         add("## Remote tier (one redis-server on loopback)")

@@ -55,10 +55,11 @@ def serve(obj, model_dir, checkpoints, draft_dir, num_draft_tokens, as_json, ser
     With --draft-model, requests run speculatively: the draft proposes
     --num-draft-tokens tokens, the model verifies them in one forward. Hybrid
     (gated-DeltaNet) layers take verify rounds instead of trim, which
-    mlx_lm.server alone refuses. Greedy output is the same as without a
-    draft. Not with logits processors (penalties, logit bias), --kv-bits,
-    images, or sliding-window models. The counters (--json) give the draft
-    tokens and the acceptance.
+    mlx_lm.server alone refuses; sliding windows drop rejected positions
+    from their ring. Greedy output is the same as without a draft. Not with
+    logits processors (penalties, logit bias), --kv-bits or images. Requests
+    run one at a time. The counters (--json) give the draft tokens and the
+    acceptance.
 
     Recurrent state cannot be shared between entries, so for a model whose
     cache cannot be trimmed each conversation keeps a bounded history: the

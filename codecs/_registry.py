@@ -84,6 +84,9 @@ class Codec:
     always_trimmable: bool = False
     #: Runs speculative verify rounds (``begin_round``/``commit``/``rollback``).
     rounds: bool = False
+    #: A sliding window whose speculative rounds drop rejected positions
+    #: physically (``promptstore.ssm._window.WindowRound``), wrapped or not.
+    window_rounds: bool = False
     #: The mlx-lm class an mlx-lm prompt-cache file holds this kind as.
     mlx_lm_class: Optional[type] = None
     #: Arrays whose second-to-last axis spans the entry's tokens may be stored

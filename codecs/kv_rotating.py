@@ -4,7 +4,9 @@ Only valid slots are written: ``min(offset, buffer length)`` positions in
 buffer order, plus ``_idx`` (the ring's write position), so the restored
 cache continues exactly where the saved one stood.
 
-Trimmable only until the window wraps, so never in speculative decoding.
+Trimmable only until the window wraps (mlx-lm's trim then leaves the rejected
+keys in the ring); speculative decoding runs window rounds on it instead, which
+drop rejected positions physically (``window_rounds``, ``promptstore.ssm._window``).
 Also the row moves of ``BatchRotatingKVCache``, whose rows are stored as
 ``kv.rotating``.
 """
@@ -39,6 +41,7 @@ class RotatingKVCodec(TrimmableKVCodec):
     types = (RotatingKVCache,)
     rows = RotatingKVRows()
     mlx_lm_class = RotatingKVCache
+    window_rounds = True
     shared_blocks = False  # a window's positions are not the entry's tokens in order
 
     def prefix_meta(self, meta, n):

@@ -3,7 +3,8 @@ through real HTTP requests to a real server subprocess on 127.0.0.1.
 
 Greedy answers equal those of the same server without a draft; after a restart
 the cached tokens come from the store; the counters report draft tokens and
-acceptance; entries are ``ssm.gated_delta``."""
+acceptance; entries are ``ssm.gated_delta``; a request that a stop string
+ends inside a verify round is cached under the tokens the server took."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ import http.client
 import urllib.error
 from typing import List
 
+import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 
-from conftest import MODELS
-from promptstore import fingerprint
+from conftest import MODELS, load_fixture
+from promptstore import PromptStore, fingerprint
+from promptstore.bench._draft import smaller_draft
 from test_serving_server import Server, cached, cli_json, text
+from test_spec_stop import assert_greedy
 
 SYSTEM = "You are a terse assistant that answers in one line."
 PROMPTS = ["Name three colours of the rainbow, please.", "What is a prompt cache?", "Count to five."]
@@ -101,3 +106,128 @@ def test_draft_server_refuses_what_it_cannot_run_and_keeps_serving(tmp_path):
     counters = srv.stop()["cache"]
     assert counters["speculative_requests"] == 1 and counters["draft_tokens"] > 0
     assert "takes no logits processors" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.shape_dependent  # stored caches are compared with greedy decoding's
+def test_sliding_window_draft_server_is_greedy_identical_and_continues_from_the_store(tmp_path):
+    """gemma3_text (window 16) with its first two layers as the draft (one
+    window layer, one global): prompts and answers run past the window and
+    the draft is often wrong, so verify rounds drop rejected tails from
+    wrapped rings. Answers equal the server without a draft; the stored
+    prompt + answer entries hold greedy decoding's caches; second turns and a
+    restart start from the store and still equal the server without a draft."""
+    model, log = "gemma3_text", tmp_path / "server.log"
+    draft_dir = smaller_draft(MODELS / model, tmp_path / "draft", 2)
+    draft = ("--draft-model", str(draft_dir), "--num-draft-tokens", "3")
+
+    def turns(srv: Server) -> List[dict]:
+        first = [srv.chat(_chat(p), max_tokens=24) for p in PROMPTS]
+        second = [srv.chat(_chat(p) + [{"role": "assistant", "content": text(r)}, {"role": "user", "content": "Again?"}],
+                           max_tokens=24) for p, r in zip(PROMPTS, first)]
+        return first + second
+
+    plain = Server(tmp_path / "plain", model, log)
+    try:
+        want = turns(plain)
+    except BaseException:
+        plain.kill()
+        raise
+    plain.stop()
+    assert all(r["usage"]["prompt_tokens"] > 16 for r in want)
+
+    store = tmp_path / "store"
+    srv = Server(store, model, log, *draft)
+    try:
+        got = turns(srv)
+        assert [text(r) for r in got] == [text(r) for r in want]
+        assert [r["usage"]["completion_tokens"] for r in got] == [r["usage"]["completion_tokens"] for r in want]
+        assert all(cached(r) > 0 for r in got[len(PROMPTS):])  # second turns start from a stored window
+    except BaseException:
+        srv.kill()
+        raise
+    counters = srv.stop()["cache"]
+    assert counters["speculative_requests"] == 2 * len(PROMPTS)
+    assert 0 < counters["accepted_draft_tokens"] < counters["draft_tokens"]
+    assert counters["pending"] == 0 and counters["errors"] == 0 and counters["write_failed"] == 0
+    docs = cli_json(store, "ls")
+    assert docs and all("kv.rotating" in d["kinds"] for d in docs)
+    _assert_stored_answers_are_greedy_caches(store, model, draft_dir, got[: len(PROMPTS)])
+
+    srv = Server(store, model, log, *draft)
+    try:
+        again = turns(srv)  # memory is empty: whatever is cached came from the store
+        assert [text(r) for r in again] == [text(r) for r in want]
+        assert all(cached(r) > 0 for r in again)
+    except BaseException:
+        srv.kill()
+        raise
+    assert srv.stop()["cache"]["errors"] == 0
+    assert cli_json(store, "verify")["ok"]
+
+
+def _assert_stored_answers_are_greedy_caches(store, model: str, draft_dir, answers: List[dict]) -> None:
+    """Each prompt + answer entry (stored after the request's last verify
+    round) holds, in the target's and in the draft's layers, what greedy
+    decoding of the same tokens by that model leaves, as the next forward
+    sees it (test_spec_window.py)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from test_spec_window import assert_seen_alike, greedy_cache
+
+    target, tokenizer, fp, _ = load_fixture(model)
+    draft_model, _ = load(str(draft_dir))
+    with PromptStore(store) as ps:
+        for p, r in zip(PROMPTS, answers):
+            prompt = list(tokenizer.apply_chat_template(_chat(p), add_generation_prompt=True))
+            assert len(prompt) == r["usage"]["prompt_tokens"]
+            answer = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=r["usage"]["completion_tokens"])]
+            layers = ps.get(f"{fp}+draft:{fingerprint(draft_dir)}", prompt + answer)
+            assert layers is not None, "no entry of prompt + answer"
+            n = len(target.layers)
+            assert_seen_alike(target, layers[:n], greedy_cache(target, prompt + answer, len(prompt)))
+            assert_seen_alike(draft_model, layers[n:], greedy_cache(draft_model, prompt + answer, len(prompt)))
+
+
+@pytest.mark.shape_dependent  # the stored cache is compared with greedy decoding's
+def test_a_stop_string_mid_round_is_answered_as_without_a_draft_and_cached(tmp_path):
+    """A stop string that matches inside a verify round (a self-draft: every
+    round drafts 3 and emits 4 tokens): the answer equals the server's without
+    a draft, and the prompt + tokens taken entry holds greedy decoding's cache
+    (the round's positions past the stop were rolled back), not refused."""
+    model, log = "qwen3_next", tmp_path / "server.log"
+    target, tokenizer, fp, _ = load_fixture(model)
+    prompt = list(tokenizer.apply_chat_template(_chat(PROMPTS[0]), add_generation_prompt=True))
+    answer = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=12)]
+    # the first token that ends no round and, alone, is its own stop string
+    at = next(i for i in range(1, 11) if (i + 1) % 4 and answer[i] not in answer[:i]
+              and tokenizer.encode(tokenizer.decode([answer[i]]), add_special_tokens=False) == [answer[i]])
+    request = {"max_tokens": 12, "stop": [tokenizer.decode([answer[at]])]}
+
+    plain = Server(tmp_path / "plain", model, log)
+    try:
+        want = plain.chat(_chat(PROMPTS[0]), **request)
+    except BaseException:
+        plain.kill()
+        raise
+    plain.stop()
+    store = tmp_path / "store"
+    srv = Server(store, model, log, "--draft-model", str(MODELS / model), "--num-draft-tokens", "3")
+    try:
+        got = srv.chat(_chat(PROMPTS[0]), **request)
+    except BaseException:
+        srv.kill()
+        raise
+    counters = srv.stop()["cache"]
+    assert want["choices"][0]["finish_reason"] == "stop" and text(got) == text(want)
+    assert got["usage"] == want["usage"]
+    assert counters["errors"] == 0 and counters["write_failed"] == 0
+    taken = prompt + answer[: at + 1]  # what mlx-lm's server inserts: the prompt and every token it took
+    assert sorted(d["tokens"] for d in cli_json(store, "ls")) == [len(prompt) - 1, len(taken)]
+    with PromptStore(store) as ps:
+        layers = ps.get(f"{fp}+draft:{fp}", taken)
+    assert layers is not None, "no entry of prompt + the tokens taken"
+    n = len(target.layers)
+    assert_greedy(target, target, layers[:n], taken, len(prompt))
+    assert_greedy(target, target, layers[n:], taken, len(prompt))

@@ -10,6 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step, speculative_generate_step as mlx_speculative_generate_step
+from mlx_lm.models.cache import ChunkedKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -47,6 +48,7 @@ def greedy_reference(arch: str):
     return [t for t, _ in generate_step(mx.array(PROMPT), plain, max_tokens=MAX_TOKENS)]
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_speculative_equals_greedy(arch, k):
@@ -71,6 +73,7 @@ def test_rounds_cover_partial_and_full_accepts(arch):
     assert seen == {"none", "partial", "full"}
 
 
+@pytest.mark.shape_dependent
 def test_caches_cover_prompt_and_tokens_but_the_last():
     _, target, draft = models("qwen3_5")
     cache, dcache = make_prompt_cache(target), make_prompt_cache(draft)
@@ -94,6 +97,7 @@ def test_caches_cover_prompt_and_tokens_but_the_last():
     assert bits_equal(target(last, cache=cache), plain(last, cache=ref)).item()
 
 
+@pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_stop_tokens_and_absorb_last_leave_caches_over_every_yielded_token(arch):
     """What a serving loop needs: generation ends at the first stop token, and
@@ -145,9 +149,14 @@ def test_mlx_lm_refuses_and_bad_caches_are_refused():
         next(speculative_generate_step(mx.array(PROMPT), target, draft, num_draft_tokens=0))
 
 
-def test_sliding_window_caches_are_refused_up_front():
-    """A RotatingKVCache is trimmable only until it wraps: refused before any round."""
+def test_sliding_window_caches_run_speculatively_and_other_kinds_are_refused():
+    """A RotatingKVCache (trimmable only until it wraps) drops a round's rejected
+    tail itself (tests/test_spec_window.py); a kind that can neither trim, nor
+    run rounds, nor drop that tail is refused before any round, by its class."""
     gemma, _ = load(str(MODELS / "gemma3_text"))
     for prompt in (PROMPT[:4], PROMPT * 4):
-        with pytest.raises(InvalidInput, match="RotatingKVCache"):
-            next(speculative_generate_step(mx.array(prompt), gemma, gemma, num_draft_tokens=2))
+        assert len(list(speculative_generate_step(mx.array(prompt), gemma, gemma, num_draft_tokens=2,
+                                                  max_tokens=4))) == 4
+    with pytest.raises(InvalidInput, match="ChunkedKVCache"):
+        next(speculative_generate_step(mx.array(PROMPT), gemma, gemma, num_draft_tokens=2,
+                                       prompt_cache=[ChunkedKVCache(8) for _ in gemma.layers]))

@@ -18,6 +18,15 @@ from the last prompt token to ``max_tokens`` generated tokens (decode only).
 The variants run interleaved, one of each per repeat, so a noisy machine
 slows them alike, after one untimed warm-up run each; times are medians. Every run of every variant must give
 the same tokens (greedy identity, ``==``), else the case raises.
+
+``one_at_a_time``: the price of mlx-lm's server serving draft requests alone.
+``concurrent`` requests (distinct seeded prompts) arrive together; timed from
+their prompts to every answer (prefill included), they are served one after
+another with the self-draft, one after another without a draft, and in one
+mlx-lm ``BatchGenerator`` batch without a draft (what the server does without
+a draft). The one-at-a-time runs must give the same tokens; the batch's
+tokens are compared and reported, not required (a batch computes in other
+shapes).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from promptstore.jobs.prefill import load_model
 from promptstore.ssm import adapt, make_prompt_cache
 from promptstore.ssm.speculative import SpeculativeStats, speculative_generate_step
 
-__all__ = ["FIXTURE_HYBRID", "draft_cases", "smaller_draft"]
+__all__ = ["FIXTURE_HYBRID", "draft_cases", "one_at_a_time", "smaller_draft"]
 
 FIXTURE_HYBRID = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "qwen3_next"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -107,6 +116,93 @@ def _speculative(model: Any, draft: Any, prompt: List[int], max_tokens: int, k: 
     return tokens, time.perf_counter() - t0
 
 
+def _serial(run: Callable[[List[int]], List[int]], prompts: List[List[int]]) -> Tuple[List[List[int]], float]:
+    t0 = time.perf_counter()
+    tokens = [run(p) for p in prompts]
+    return tokens, time.perf_counter() - t0
+
+
+def _batched(model: Any, prompts: List[List[int]], max_tokens: int) -> Tuple[List[List[int]], float]:
+    from mlx_lm.generate import BatchGenerator
+
+    t0 = time.perf_counter()
+    gen = BatchGenerator(model, max_tokens=max_tokens, prefill_batch_size=len(prompts),
+                         completion_batch_size=len(prompts))
+    try:
+        uids = gen.insert(prompts)
+        out: Dict[int, List[int]] = {u: [] for u in uids}
+        while True:
+            responses = gen.next_generated()
+            if not responses:
+                break
+            for r in responses:
+                out[r.uid].append(int(r.token))
+    finally:
+        gen.close()
+    return [out[u] for u in uids], time.perf_counter() - t0
+
+
+def one_at_a_time(plain: Any, target: Any, self_draft: Any, prompts: List[List[int]], max_tokens: int,
+                  num_draft_tokens: int, repeats: int) -> Dict[str, Any]:
+    """Concurrent requests served one at a time with a self-draft, against a batch without one.
+
+    Args:
+        plain: the target as mlx-lm loads it (no draft: serial and batched).
+        target, self_draft: the target and a copy of it, adapted
+            (:func:`promptstore.ssm.adapt`), for the speculative requests.
+        prompts: one prompt per concurrent request.
+        max_tokens: tokens generated per request.
+        num_draft_tokens: tokens drafted per verify round.
+        repeats: timed runs of each variant, after one untimed warm-up run.
+
+    Returns:
+        ``{"requests", "tokens", "repeats", "serial_self_draft", "serial_no_draft",
+        "batched_no_draft", "self_draft_vs_batched", "batched_tokens_identical"}``;
+        each variant has ``seconds`` (median, all requests, prefill
+        included) and ``tokens_per_s`` (every request's tokens over that
+        time); ``self_draft_vs_batched`` is the batch's seconds over the
+        self-draft's (below 1: serving one at a time costs that much).
+
+    Raises:
+        PromptStoreError: the self-draft's tokens differ from greedy decoding
+            one request at a time.
+    """
+    from mlx_lm.generate import generate_step
+
+    def speculative(p: List[int]) -> List[int]:
+        return [t for t, _, _ in speculative_generate_step(
+            mx.array(p), target, self_draft, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens)]
+
+    def greedy(p: List[int]) -> List[int]:
+        return [int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=max_tokens)]
+
+    runs: Dict[str, Callable[[], Tuple[List[List[int]], float]]] = {
+        "serial_self_draft": lambda: _serial(speculative, prompts),
+        "serial_no_draft": lambda: _serial(greedy, prompts),
+        "batched_no_draft": lambda: _batched(plain, prompts, max_tokens),
+    }
+    times: Dict[str, List[float]] = {name: [] for name in runs}
+    tokens: Dict[str, List[List[int]]] = {}
+    for r in range(repeats + 1):  # run 0 warms up (checked, not timed)
+        for name, run in runs.items():
+            got, seconds = run()
+            if tokens.setdefault(name, got) != got or (name == "serial_no_draft" and got != tokens["serial_self_draft"]):
+                raise PromptStoreError(
+                    f"bench draft: {name} (repeat {r}) generated {got} where {tokens['serial_self_draft']} was "
+                    "generated before; greedy decoding one request at a time must give the same tokens"
+                )
+            if r:
+                times[name].append(seconds)
+    total = len(prompts) * max_tokens
+    out: Dict[str, Any] = {"requests": len(prompts), "tokens": total, "repeats": repeats}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out[name] = {"seconds": med, "tokens_per_s": total / med}
+    out["self_draft_vs_batched"] = out["batched_no_draft"]["seconds"] / out["serial_self_draft"]["seconds"]
+    out["batched_tokens_identical"] = tokens["batched_no_draft"] == tokens["serial_no_draft"]
+    return out
+
+
 def draft_cases(
     repeats: int,
     max_tokens: int,
@@ -115,6 +211,7 @@ def draft_cases(
     num_draft_tokens: int = 3,
     prompt_tokens: int = 32,
     draft_layers: int = 2,
+    concurrent: int = 4,
     workdir: Optional[Path] = None,
     seed: int = 0,
 ) -> Dict[str, Any]:
@@ -127,13 +224,16 @@ def draft_cases(
         num_draft_tokens: tokens drafted per verify round.
         prompt_tokens: length of the (random, seeded) prompt.
         draft_layers: layers of the smaller draft.
+        concurrent: requests of the ``one_at_a_time`` measurement
+            (:func:`one_at_a_time`, at most 3 repeats); 0 leaves it out.
         workdir: where the smaller draft's scratch folder goes (removed after).
         seed: the prompt's seed.
 
     Returns:
         ``{"model", "prompt_tokens", "max_tokens", "num_draft_tokens",
         "repeats", "layers": {"target", "small_draft"}, "tokens_identical",
-        "no_draft": {...}, "self_draft": {...}, "small_draft": {...}}``;
+        "no_draft": {...}, "self_draft": {...}, "small_draft": {...},
+        "one_at_a_time": {...}}`` (the last with ``concurrent`` > 0);
         each variant has ``seconds`` (median), ``tokens_per_s`` and, with a
         draft, ``speedup`` (over no draft, same run), ``rounds``,
         ``draft_tokens``, ``accepted`` and ``acceptance`` (over every run,
@@ -143,8 +243,9 @@ def draft_cases(
         InvalidInput: a size below 1 or a model that cannot be cut.
         PromptStoreError: a variant's tokens differ from plain greedy decoding.
     """
-    if repeats < 1 or max_tokens < 1 or prompt_tokens < 2 or num_draft_tokens < 1:
-        raise InvalidInput("draft_cases needs repeats >= 1, max_tokens >= 1, prompt_tokens >= 2, num_draft_tokens >= 1")
+    if repeats < 1 or max_tokens < 1 or prompt_tokens < 2 or num_draft_tokens < 1 or concurrent < 0:
+        raise InvalidInput("draft_cases needs repeats >= 1, max_tokens >= 1, prompt_tokens >= 2, "
+                           "num_draft_tokens >= 1, concurrent >= 0")
     model_dir = Path(model_dir)
     tmp = Path(tempfile.mkdtemp(prefix="promptstore-draft-", dir=workdir))
     try:
@@ -195,6 +296,11 @@ def draft_cases(
                 row.update(speedup=base / med, rounds=st.rounds, draft_tokens=st.drafted,
                            accepted=st.accepted, acceptance=st.acceptance)
             out[name] = row
+        if concurrent:
+            rng = np.random.default_rng(seed + 1)
+            prompts = [rng.integers(3, vocab, size=prompt_tokens).tolist() for _ in range(concurrent)]
+            out["one_at_a_time"] = one_at_a_time(plain, target, self_draft, prompts, max_tokens, num_draft_tokens,
+                                                 min(repeats, 3))
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,17 +12,36 @@ The server hands over one list: the target's layers, then the draft's. Their
 gated-DeltaNet ``ArraysCache`` layers (a fresh cache, or one the persistent
 cache handed out) are replaced, in that same list, by SSMCache covering what
 the layers that can tell report, so the list the server inserts afterwards
-holds the state that generation reached. Both models absorb the last token
-before it is yielded, so the cache covers the prompt and every generated
-token: the tokens the server inserts it under. A request stopped mid-round
-(a stop string, a client gone) leaves the round's extra positions in the
-cache; the persistent cache then refuses it (coverage mismatch), nothing
-wrong is stored.
+holds the state that generation reached: the prompt and every token the
+server took, the tokens it inserts the cache under. Both models absorb the
+last token before it is yielded. The server may also stop in the middle of
+a verify round (a stop string matched, a client gone, both after the token
+that triggered them): dropping this generator closes the verify rounds'
+generator, which resolves the open round to the tokens taken (rollback,
+trim, window resolve; ``speculative_generate_step`` with ``absorb_last``),
+so the cache covers exactly those tokens, as greedy decoding of them leaves
+it.
+
+Sliding-window models (gemma3's RotatingKVCache layers) run too: a verify
+round drops the ring's rejected tail for real (``promptstore.ssm._window``),
+so greedy answers equal those without a draft, and the caches stored hold
+what greedy decoding leaves, as the next forward sees them.
 
 Refused with a draft (ValueError, which the server returns to the client):
-logits processors (repetition/presence penalties, logit bias), ``--kv-bits``,
-images, ``num_draft_tokens`` < 1, and cache layers that can neither always
-trim nor run verify rounds (a sliding window, RotatingKVCache).
+
+* logits processors (repetition/presence penalties, logit bias): the verify
+  rounds here do not apply them (each would need the window's tokens
+  position by position);
+* ``--kv-bits``: the verify rounds here do not quantize the cache;
+* images (input embeddings): the draft model takes tokens only;
+* ``num_draft_tokens`` < 1;
+* cache layers whose kind can neither trim at any length, nor run verify
+  rounds, nor drop a window's rejected tail (``kv.chunked``, ``kv.concat``,
+  ``list``, a plain ``ArraysCache``) or whose class has no codec: refused
+  before the first round, naming the layer, its class and kind;
+* a draft whose sliding window has fewer rotating positions than
+  ``num_draft_tokens - 1`` (a round's draft decodes would overwrite their
+  own slots).
 
 Requests are served one at a time (mlx-lm's server does so with any draft),
 so per-row acceptance in a batch does not arise here.
@@ -39,7 +58,8 @@ import mlx.core as mx
 
 from promptstore.codecs import layer_coverage
 from promptstore.ssm import gated_delta_layers, to_ssm
-from promptstore.ssm.speculative import SpeculativeStats, speculative_generate_step
+from promptstore.errors import UnknownStorageKind
+from promptstore.ssm.speculative import SpeculativeStats, check_caches, speculative_generate_step
 
 __all__ = ["DraftCounters", "make_stream_generate"]
 
@@ -126,6 +146,10 @@ def _speculative(model, tokenizer, prompt, max_tokens: int, draft_model, counter
         raise ValueError("speculative decoding: the server's cache must hold the target's layers, then the draft's")
     target = _as_ssm(model, cache[:n_target])
     draft = _as_ssm(draft_model, cache[n_target:])
+    try:
+        check_caches(target, draft, num_draft_tokens)
+    except UnknownStorageKind as err:  # not a ValueError: the server would not answer it as one
+        raise ValueError(f"speculative decoding (promptstore serve --draft-model) cannot run on this cache: {err}") from err
     cache[:] = target + draft  # the list the server inserts afterwards
 
     stats = SpeculativeStats()

@@ -4,17 +4,24 @@ mlx-lm refuses speculative decoding on Qwen3-Next / Qwen3.5 because their
 recurrent layers cannot ``trim`` (mlx-lm #1446). Here every layer that cannot
 trim is an :class:`~promptstore.ssm.SSMCache` and takes part in verify rounds:
 ``begin_round()`` before the forward whose tokens may be rejected, then
-``commit()`` or ``rollback(keep)``. Trimmable layers (KVCache...) are trimmed as
-in mlx-lm. The target model verifies ``num_draft + 1`` tokens in one window; the
-draft model records its own decode steps in a round of its own.
+``commit()`` or ``rollback(keep)``. Sliding windows (RotatingKVCache), which
+stop being trimmable once they wrap, take a
+:class:`~promptstore.ssm._window.WindowRound` that drops the rejected positions
+from the ring for real. Layers trimmable at any length (KVCache...) are
+trimmed as in mlx-lm. The target model verifies ``num_draft + 1`` tokens in
+one window; the draft model records its own decode steps in a round of its own.
 
 Invariant: when the generator is exhausted, both caches cover the prompt and
 every yielded token but the last (the same state plain generation leaves);
 with ``absorb_last=True`` the last one too (what mlx-lm's ``generate_step``
 leaves once its consumer stops: its pipeline has fed every token it
 yielded). Generation ends at ``max_tokens`` or after the first of
-``stop_tokens``. A consumer that stops early leaves them covering the whole
-current round.
+``stop_tokens``. A consumer that stops early and closes the generator
+(``close()``, or dropping it) leaves them covering the prompt and the tokens
+it took, but the last one without ``absorb_last``: a round's caches stay
+open while its tokens are yielded, and the close resolves them to the count
+taken (rollback, trim, window resolve), then feeds what the rounds do not
+hold (the target's correction token, the draft's last ones).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ import mlx.nn as nn
 from promptstore.codecs import codec_for_layer
 from promptstore.errors import InvalidInput
 from promptstore.ssm._cache import adapt, make_prompt_cache
+from promptstore.ssm._window import WindowRound, check_window, runs_window_rounds
 
-__all__ = ["SpeculativeStats", "SpeculativeResult", "speculative_generate_step", "speculative_generate"]
+__all__ = ["SpeculativeStats", "SpeculativeResult", "check_caches", "speculative_generate_step", "speculative_generate"]
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -71,46 +79,120 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 
 def _check_cache(cache: List[Any], which: str) -> None:
-    """Every layer's exact-class codec must trim at any length or run rounds.
+    """Every layer's exact-class codec must trim at any length or run rounds,
+    or its kind take window rounds (:mod:`promptstore.ssm._window`).
 
     Raises:
         UnknownStorageKind: a layer's exact class has no codec (a subclass of
             SSMCache included: its extra state would escape the rounds).
-        InvalidInput: a layer's kind can neither always trim nor run rounds.
+        InvalidInput: a layer's kind can do none of these.
     """
     for i, c in enumerate(cache):
         codec = codec_for_layer(c)
-        # Only kinds that stay trimmable whatever their length: a sliding window
-        # (RotatingKVCache) stops being trimmable once it wraps.
-        if not (codec.always_trimmable or codec.rounds):
+        if not (codec.always_trimmable or codec.rounds or runs_window_rounds(c)):
             raise InvalidInput(
                 f"speculative decoding: layer {i} of the {which} cache is a "
-                f"{type(c).__name__}, which can neither always trim nor run verify rounds; "
-                "build the cache with promptstore.ssm.make_prompt_cache(model)"
+                f"{type(c).__name__} (kind {codec.kind!r}), which can neither always trim, nor run "
+                "verify rounds, nor drop a sliding window's rejected tail; build the cache with "
+                "promptstore.ssm.make_prompt_cache(model)"
             )
 
 
-def _rounds(layer: Any) -> bool:
-    """True when ``layer`` runs verify rounds, False when it trims (``_check_cache`` passed)."""
-    return codec_for_layer(layer).rounds
+def check_caches(model_cache: List[Any], draft_cache: List[Any], num_draft_tokens: int) -> None:
+    """Refuse, before any round, caches that speculative decoding cannot run on.
+
+    Raises:
+        UnknownStorageKind: a layer's exact class has no codec.
+        InvalidInput: a layer's kind can neither always trim, nor run verify
+            rounds, nor drop a sliding window's rejected tail; or a draft
+            layer's window is shorter than a round's draft decodes.
+    """
+    _check_cache(model_cache, "model")
+    _check_cache(draft_cache, "draft")
+    for i, c in enumerate(draft_cache):
+        if runs_window_rounds(c):
+            check_window(c, num_draft_tokens - 1, f"layer {i} of the draft cache")
 
 
-def _begin(cache: List[Any]) -> None:
+#: Per layer of a cache in a round: its WindowRound, or None (it trims or runs SSM rounds).
+Windows = List[Optional[WindowRound]]
+
+
+def _begin(cache: List[Any]) -> Windows:
+    windows: Windows = []
     for c in cache:
-        if _rounds(c):
+        codec = codec_for_layer(c)
+        if codec.rounds:
             c.begin_round()
+        windows.append(WindowRound(c) if runs_window_rounds(c) else None)
+    return windows
 
 
-def _resolve(cache: List[Any], recorded: int, keep: int) -> None:
+def _record(windows: Windows) -> None:
+    """After each single-position forward of a round (the draft's decodes)."""
+    for w in windows:
+        if w is not None:
+            w.record()
+
+
+def _resolve(cache: List[Any], windows: Windows, recorded: int, keep: int) -> None:
     """Keep the first ``keep`` of ``recorded`` positions of the round."""
-    for c in cache:
-        if not _rounds(c):
+    for c, w in zip(cache, windows):
+        if w is not None:
+            w.resolve(recorded, keep)
+        elif not codec_for_layer(c).rounds:
             if recorded > keep:
                 c.trim(recorded - keep)
         elif keep == recorded:
             c.commit()
         else:
             c.rollback(keep)
+
+
+class _OpenRound:
+    """A verified round whose caches are not resolved yet.
+
+    Before the round the target covers what precedes its window's first
+    token ``y``; the draft covers ``y`` too. The window holds ``y`` and the
+    drafts, of which the first ``accepted`` equal the round's first tokens;
+    the draft's round recorded its decodes of the first ``num_draft - 1``
+    drafts. Covering ``c`` of the round's tokens (``y``, then ``tokens[:c]``)
+    keeps those of them the rounds hold and feeds the rest (at most one to the
+    target, two to the draft), so the caches end bit for bit where decoding
+    the same tokens one by one would (on backends whose kernels do not depend
+    on the call's shape).
+    """
+
+    def __init__(self, model: nn.Module, draft_model: nn.Module, model_cache: List[Any], draft_cache: List[Any],
+                 model_windows: Windows, draft_windows: Windows, num_draft: int, accepted: int,
+                 tokens: List[int]) -> None:
+        self._models = (model, draft_model)
+        self._caches = (model_cache, draft_cache)
+        self._windows = (model_windows, draft_windows)
+        self._num_draft = num_draft
+        self._accepted = accepted
+        self._tokens = tokens
+        self.model_has: Optional[int] = None  # of the round's tokens, once resolved
+        self.draft_has = 0
+
+    def resolve(self, c: int) -> None:
+        """Close both rounds keeping what they hold of ``tokens[:c]`` (once)."""
+        if self.model_has is not None:
+            return
+        self.model_has = min(c, self._accepted)
+        self.draft_has = min(self.model_has, self._num_draft - 1)
+        _resolve(self._caches[0], self._windows[0], self._num_draft + 1, 1 + self.model_has)
+        _resolve(self._caches[1], self._windows[1], self._num_draft - 1, self.draft_has)
+
+    def settle(self, c: int) -> None:
+        """Leave both caches covering ``y`` and ``tokens[:c]`` (``c`` at least
+        what :meth:`resolve` kept)."""
+        self.resolve(c)
+        for i, has in enumerate((self.model_has or 0, self.draft_has)):
+            if has < c:
+                self._models[i](mx.array(self._tokens[has:c], mx.uint32)[None], cache=self._caches[i])
+        self.model_has = self.draft_has = c
+        mx.eval([x.state for x in self._caches[0] + self._caches[1]])
 
 
 def _prefill(model: nn.Module, cache: List[Any], y: mx.array, step: int) -> mx.array:
@@ -158,10 +240,11 @@ def speculative_generate_step(
         stop_tokens: token ids (e.g. EOS) that end generation: the round that
             produces one yields up to and including it, and its caches keep
             no position past it.
-        absorb_last: before the last round's tokens are yielded, feed its last
-            token to both models, so that at the end both caches cover the
-            prompt and every yielded token (a serving loop stores them
-            under exactly those tokens).
+        absorb_last: before the last token is yielded, feed it to both
+            models, so that at the end (or once the consumer closes the
+            generator after any token) both caches cover the prompt and every
+            yielded token (a serving loop stores them under exactly those
+            tokens).
         on_prefilled: called once both caches cover the prompt but its last
             token (e.g. to checkpoint them), before the first round.
 
@@ -181,8 +264,7 @@ def speculative_generate_step(
     adapt(draft_model)
     model_cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(draft_model)
-    _check_cache(model_cache, "model")
-    _check_cache(draft_cache, "draft")
+    check_caches(model_cache, draft_cache, num_draft_tokens)
     sampler = sampler or _greedy
     stats = stats if stats is not None else SpeculativeStats()
     stop = frozenset(stop_tokens or ())
@@ -205,14 +287,15 @@ def speculative_generate_step(
         drafts: List[mx.array] = []
         d, _ = sample(draft_model(draft_y[None], cache=draft_cache)[:, -1])
         drafts.append(d.reshape(1))
-        _begin(draft_cache)
+        draft_windows = _begin(draft_cache)
         for _ in range(num_draft - 1):
             d, _ = sample(draft_model(drafts[-1][None], cache=draft_cache)[:, -1])
             drafts.append(d.reshape(1))
+            _record(draft_windows)
         draft_arr = mx.concatenate(drafts)
 
         # Verify all drafts in one window.
-        _begin(model_cache)
+        model_windows = _begin(model_cache)
         window = mx.concatenate([y, draft_arr.astype(mx.uint32)])
         target, logprobs = sample(model(window[None], cache=model_cache)[0])
         mx.eval(target, draft_arr)
@@ -227,30 +310,30 @@ def speculative_generate_step(
         if stop_at is not None:
             emit = stop_at + 1
         final = stop_at is not None or ntoks + emit == max_tokens
-        # Target covers y + emitted[:-1]; the draft as much of that as it has seen.
-        _resolve(model_cache, num_draft + 1, emit)
-        draft_keep = min(emit - 1, num_draft - 1)
-        _resolve(draft_cache, num_draft - 1, draft_keep)
         stats.rounds += 1
         stats.drafted += num_draft
         stats.accepted += n
         stats.per_round.append((num_draft, n))
 
-        y = mx.array(tokens[emit - 1 : emit], mx.uint32)
-        draft_y = mx.array(tokens[draft_keep:emit], mx.uint32)
-        if final and absorb_last:
-            # Before yielding: a consumer stops at the last token and never resumes us.
-            model(y[None], cache=model_cache)
-            draft_model(draft_y[None], cache=draft_cache)
-            mx.eval([c.state for c in model_cache + draft_cache])
-        elif final and draft_y.size > 1:
-            # Last round: let the draft catch up so both caches end where greedy would.
-            draft_model(draft_y[:-1][None], cache=draft_cache)
+        # The round stays open while its tokens are yielded, so that a consumer
+        # that stops after any of them leaves the caches covering what it took.
+        rnd = _OpenRound(model, draft_model, model_cache, draft_cache, model_windows, draft_windows,
+                         num_draft, n, tokens[:emit])
         for j in range(emit):
+            if j == emit - 1 and final:
+                rnd.settle(emit if absorb_last else emit - 1)
+            elif j == emit - 1:
+                rnd.resolve(emit - 1)  # the draft's missing tokens go with its next step
             ntoks += 1
-            yield tokens[j], logprobs[j], j < n
+            try:
+                yield tokens[j], logprobs[j], j < n
+            except GeneratorExit:
+                rnd.settle(j + 1 if absorb_last else j)
+                raise
         if final:
             return
+        y = mx.array(tokens[emit - 1 : emit], mx.uint32)
+        draft_y = mx.array(tokens[rnd.draft_has : emit], mx.uint32)
 
 
 def speculative_generate(
