@@ -443,3 +443,16 @@ def test_iter_chunks_cuts_the_payload_exactly(sizes):
     assert len(chunks) == _entry.n_chunks(total)
     assert all(len(c) == _entry.CHUNK for c in chunks[:-1]) and 0 < len(chunks[-1]) <= _entry.CHUNK
     assert b"".join(chunks) == b"".join(a.tobytes() for a in arrays)
+
+
+def test_restore_targets_alone_measure_a_bit_exact_get(tmp_path):
+    """``python -m promptstore.bench._restore``: the bench's restore case and
+    peak memory in fresh processes, with the fill threads it is given."""
+    from promptstore.bench import _restore
+
+    row = _restore.measure(64, "1", repeats=1)
+    assert row["bit_exact"] is True and row["memory"]["restored"] is True
+    assert row["threads"] == "1" and row["tokens"] == 64
+    assert row["bytes"] == row["memory"]["bytes"] > 0
+    for key in ("get_vs_load", "get_vs_memcpy", "put_vs_write", "peak_rss_per_byte"):
+        assert row[key] > 0

@@ -10,8 +10,9 @@ are called rather than copied, so their arithmetic cannot drift from ours.
 A *chunk* is what one recorded call leaves behind: per position, the conv input
 row and the post-conv ``q, k, v`` with the gates ``g, beta``. Folding the first
 ``keep`` positions of a round is the state-only recurrence over those rows plus
-the conv tail, i.e. exactly the arithmetic a fresh forward over the same
-positions performs.
+the conv tail, i.e. exactly the arithmetic the verify window performed over
+those positions (and a fresh forward over them, on backends whose kernels do
+not depend on the call's shape, such as the CPU).
 """
 
 from __future__ import annotations

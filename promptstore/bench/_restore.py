@@ -1,0 +1,68 @@
+"""The restore targets alone: get and put against their references, and the peak memory of a get.
+
+Run as ``python -m promptstore.bench._restore [TOKENS,...] [THREADS,...]``
+(default ``4096,32768`` and ``auto``): for each cache size and each number of
+fill threads (``auto``: the default, else ``PROMPTSTORE_FILL_THREADS``), the
+bench's throughput case in a fresh process, then the peak memory of a get of
+the entry it left, both on the Qwen3-Next-80B-shaped cache; one JSON line
+each, with the ratios the bench judges. The full ``promptstore bench``
+measures the same and much more; this is the part a lent GPU machine can run
+inside one command's time limit (``docs/gpu.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlx.core as mx
+
+from promptstore._backend import backend
+from promptstore.bench import _cases as cases
+from promptstore.bench import _data as data
+
+_THREADS = "PROMPTSTORE_FILL_THREADS"
+
+
+def measure(n_tokens: int, threads: str, repeats: int = 5) -> Dict[str, Any]:
+    """One size and thread count: the bench's ratios, in fresh processes."""
+    env = {} if threads == "auto" else {_THREADS: threads}
+    saved = os.environ.pop(_THREADS, None)
+    os.environ.update(env)  # the peak-memory child inherits it
+    work = Path(tempfile.mkdtemp(prefix="promptstore-restore-"))
+    try:
+        t = cases.throughput_child(work, data.QWEN3_NEXT_80B, n_tokens, repeats, env)
+        m = cases.peak_memory(work, n_tokens)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        os.environ.pop(_THREADS, None)
+        if saved is not None:
+            os.environ[_THREADS] = saved
+    return {
+        "tokens": n_tokens, "threads": threads, "bytes": t["bytes"], "bit_exact": t["bit_exact"],
+        "get_vs_load": t["mlx_load_fresh"] / t["get_fresh"],
+        "get_vs_memcpy": t["memcpy_fresh"] / t["get_fresh"],
+        "put_vs_write": t["file_write"] / t["put"],
+        "put_grow_vs_write_grow": t["file_write_grow"] / t["put_grow"],
+        "get_gbps": t["bytes"] / t["get_fresh"] / 1e9, "load_gbps": t["bytes"] / t["mlx_load_fresh"] / 1e9,
+        "peak_rss_per_byte": m["rss_delta"] / t["bytes"], "memory": m,
+    }
+
+
+def main(argv: List[str]) -> None:
+    sizes = [int(s) for s in (argv[0] if argv else "4096,32768").split(",")]
+    threads = (argv[1] if len(argv) > 1 else "auto").split(",")
+    print(json.dumps({"backend": backend(), "device": str(mx.default_device()), "mlx": mx.__version__,  # type: ignore[attr-defined]
+                      "cpus": os.cpu_count()}), flush=True)
+    for n in sizes:
+        for th in threads:
+            print(json.dumps(measure(n, th)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
