@@ -1,5 +1,6 @@
 """`promptstore serve --draft-model`: speculative decoding on the fixture hybrids,
-through real HTTP requests to a real server subprocess on 127.0.0.1.
+through real HTTP requests to a real server subprocess on 127.0.0.1 (the hybrids'
+greedy requests through the OpenAI Python client, as a user's application sends them).
 
 Greedy answers equal those of the same server without a draft; after a restart
 the cached tokens come from the store; the counters report draft tokens and
@@ -14,6 +15,7 @@ from typing import List
 
 import mlx.core as mx
 import pytest
+from openai import OpenAI
 from mlx_lm.generate import generate_step
 
 from conftest import MODELS, load_fixture
@@ -31,7 +33,13 @@ def _chat(user: str) -> list:
 
 
 def _answers(srv: Server) -> List[dict]:
-    return [srv.chat(_chat(p), max_tokens=12) for p in PROMPTS]
+    """Greedy answers to PROMPTS through the OpenAI Python client, as dicts of the response JSON."""
+    client = OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0, timeout=120)
+    out = []
+    for p in PROMPTS:
+        resp = client.chat.completions.create(model="default_model", messages=_chat(p), max_tokens=12, temperature=0)
+        out.append(resp.model_dump())
+    return out
 
 
 @pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
