@@ -155,6 +155,38 @@ def test_writeback_in_small_steps_keeps_every_byte(tmp_path, small_blobs, monkey
         assert same_cache(store.get(MODEL, tokens), cache)
 
 
+def test_short_writes_and_many_small_pieces_keep_every_byte(tmp_path, monkeypatch):
+    """Files are written with writev in batches; a writev that writes less
+    than it was given (a signal, a full pipe) is resumed where it stopped,
+    inside a piece or between pieces, and the views keep their order, also
+    past the per-call piece limit and views of other item sizes."""
+    calls, cut = [], []
+    real = _blobs.os.writev
+
+    def short(fd, views):
+        calls.append(len(views))
+        cap = 1 + (len(calls) * 7919) % 5000  # 1..5000 bytes, varying
+        out, left = [], cap
+        for v in views:
+            if left <= 0:
+                break
+            out.append(v[:left])
+            left -= len(out[-1])
+        cut.append(sum(len(v) for v in out) < sum(len(memoryview(v).cast("B")) for v in views))
+        return real(fd, out)
+
+    monkeypatch.setattr(_blobs.os, "writev", short)
+    monkeypatch.setattr(_blobs, "_IOV_MAX", 5)
+    rng = np.random.default_rng(3)
+    pieces = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in rng.integers(0, 3000, 40)]
+    views = [p.data for p in pieces] + [np.arange(1000, dtype=np.float32).data]
+    path = tmp_path / "f"
+    with open(path, "wb", buffering=0) as f:
+        _blobs._write_all(f.fileno(), views)
+    assert path.read_bytes() == b"".join(bytes(v) for v in views)
+    assert max(calls) <= 5 and sum(cut) > 10  # resumed many times, never more than 5 pieces a call
+
+
 def test_get_and_put_from_an_atexit_handler(tmp_path):
     """At interpreter exit the thread pool takes no more work: reads and the
     put's checksums then run on the calling thread, with the same results."""

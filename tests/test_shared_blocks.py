@@ -6,6 +6,7 @@ Real fixture models, real LMDB files, real SIGKILLs.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -23,7 +25,7 @@ from _raw import flip_block, stored_block_sizes
 from _workers import MODEL, _drain, _say, same_cache
 from conftest import load_fixture, sample_tokens
 from promptstore import PromptStore, UnsupportedVersion, salvage
-from promptstore.format import _blocks, _entry
+from promptstore.format import _blocks, _entry, _payload
 from promptstore.jobs.prefill import prefill
 from promptstore.store import _keys
 
@@ -82,6 +84,39 @@ def test_a_growing_conversation_stores_every_token_once(tmp_path, chat):
         bounds = manifest(store, tokens).bounds
         assert set(range(TURN, 8 * TURN + 1, TURN)) <= set(bounds)  # every earlier entry's end is a bound
         assert store.verify().ok
+
+
+def test_blocks_hashed_on_the_fill_threads_get_the_same_addresses(tmp_path, chat, monkeypatch):
+    """A large put hashes its blocks on the fill threads, each a run of
+    blocks: the addresses are those hashed one by one here, in order, so a
+    store written either way shares every block with the other."""
+    from promptstore.store import _write
+
+    tokens, caches = chat
+    with PromptStore(tmp_path / "serial", shared_blocks=True) as store:
+        store.put(MODEL, tokens[:TURN], caches[0])
+        store.put(MODEL, tokens, caches[-1])
+        serial = manifest(store, tokens)
+    monkeypatch.setattr(_write, "_PARALLEL_HASH", 0)
+    monkeypatch.setattr(_write._fill, "WORKERS", 3)
+    with PromptStore(tmp_path / "threads", shared_blocks=True) as store:
+        store.put(MODEL, tokens[:TURN], caches[0])
+        store.put(MODEL, tokens, caches[-1])
+        threaded = manifest(store, tokens)
+        assert block_bytes(store) == kv_bytes(caches[-1])
+        assert same_cache(store.get(MODEL, tokens), caches[-1])
+    assert threaded.bounds == serial.bounds and len(serial.bounds) > 3
+    parts = [r.parts for _, r in threaded.parted()]
+    assert parts == [r.parts for _, r in serial.parted()]
+    for (li, rec), keys in zip(serial.parted(), parts):  # each address is the block's own hash
+        layer = serial.layers[li]
+        whole = np.frombuffer(_payload.host_bytes(mx.contiguous(getattr(caches[-1][li], rec.name))), dtype=np.uint8)
+        rows = whole.reshape(-1, rec.shape[-2], rec.nbytes // math.prod(rec.shape[:-1]))
+        start = 0
+        for key, end in zip(keys, serial.bounds):
+            shape = _blocks.block_shape(rec.shape, start, end)
+            assert key == _blocks.address(layer.kind, layer.version, rec.dtype, shape, rows[:, start:end, :])
+            start = end
 
 
 def test_the_same_entry_from_two_stores_layouts_reads_the_same(tmp_path, chat):

@@ -415,10 +415,16 @@ class EntryWriter:
         return man is not None and man.blob == name
 
 
+_PARALLEL_HASH = 16 << 20  # a put with at least this many bytes of blocks hashes them on the fill threads
+
+
 def _cut(records: List[dict], bounds: Tuple[int, ...]) -> Tuple[List[Block], int]:
     """Replace each shared array in ``records`` (a 7th element: the array) by
-    its block addresses; return the blocks, once per reference, and their bytes."""
-    blocks: List[Block] = []
+    its block addresses; return the blocks, once per reference, and their bytes.
+
+    A large put's blocks are hashed on the fill threads (the hash releases
+    the GIL), each thread a run of consecutive blocks of about equal bytes."""
+    cuts: List[Tuple[str, int, str, Tuple[int, ...], np.ndarray]] = []  # what _blocks.address hashes, in order
     total = 0
     for rec in records:
         for a in rec["arrays"]:
@@ -427,15 +433,34 @@ def _cut(records: List[dict], bounds: Tuple[int, ...]) -> Tuple[List[Block], int
             shape = a[2]
             data = np.frombuffer(_payload.host_bytes(a[6]), dtype=np.uint8)
             rows = data.reshape(-1, shape[-2], shape[-1] * _entry.DTYPES[a[1]].size)
-            keys, start = [], 0
+            start = 0
             for end in bounds:
-                part = rows[:, start:end, :]
-                key = _blocks.address(rec["kind"], rec["version"], a[1], _blocks.block_shape(shape, start, end), part)
-                blocks.append((key, part, part.nbytes))
-                keys.append(key)
+                cuts.append((rec["kind"], rec["version"], a[1], _blocks.block_shape(shape, start, end), rows[:, start:end, :]))
                 start = end
             total += a[4]
-            a[6] = keys
+
+    def addresses(lo: int, hi: int) -> List[bytes]:
+        return [_blocks.address(*cut) for cut in cuts[lo:hi]]
+
+    lanes = _fill.WORKERS if total >= _PARALLEL_HASH else 1
+    if lanes == 1:
+        keys = addresses(0, len(cuts))
+    else:
+        ends, acc = [0], 0
+        for i, cut in enumerate(cuts):  # a lane ends past each lanes-th of the bytes
+            acc += cut[4].nbytes
+            if acc * lanes >= total * len(ends) and len(ends) < lanes:
+                ends.append(i + 1)
+        ends.append(len(cuts))
+        futures = [_fill.submit(addresses, lo, hi) for lo, hi in zip(ends, ends[1:])]
+        keys = [key for f in futures for key in f.result()]
+    blocks = [(key, cut[4], cut[4].nbytes) for key, cut in zip(keys, cuts)]
+    i = 0
+    for rec in records:
+        for a in rec["arrays"]:
+            if len(a) == 7:
+                a[6] = keys[i : i + len(bounds)]
+                i += len(bounds)
     return blocks, total
 
 
