@@ -1,5 +1,4 @@
-"""The LMDB environment: opening, transactions, map growth, error translation,
-and the generation switch that makes compaction safe across processes.
+"""The LMDB environment: opening, transactions, map growth, and the generation switch that makes compaction safe across processes.
 
 Facts this module encodes (each reproduced when it was written; tests cover them):
 * ``map_size`` is only address space: it starts large; on ``MapFullError``
@@ -9,9 +8,7 @@ Facts this module encodes (each reproduced when it was written; tests cover them
 * ``reader_check()`` on open clears reader slots of dead processes, whose
   stale snapshots would otherwise block page reuse forever.
 * An environment must never cross ``fork()``: every call checks the pid.
-* A full disk (ENOSPC) and a file-size limit (EFBIG) both reach Python as
-  ``mdb_txn_commit: Input/output error``; a failed commit is probed to tell
-  them from a real I/O error, and both become :class:`StoreFull`.
+* LMDB's errors become the store's typed errors in :mod:`_faults`.
 
 Generations (compaction). LMDB files never shrink and a data file cannot be
 swapped under a lock file that other processes share. So the store directory
@@ -34,7 +31,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import resource
 import shutil
 import threading
 import time
@@ -45,6 +41,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 import lmdb
 
 from promptstore.format import _pages
+from promptstore.store._faults import translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
 from promptstore.store._schema import (
     DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
@@ -58,7 +55,6 @@ T = TypeVar("T")
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; grows on demand
 MAX_MAP_SIZE = 1 << 46
 CURRENT = "CURRENT"
-_PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
 
 
 def live_dir(path: Path) -> Tuple[Path, str]:
@@ -580,54 +576,3 @@ def check_size(env: lmdb.Environment, where: Path) -> None:
             f"{where / 'data.mdb'} is truncated: {have} bytes, but its pages reach {need}; copy the intact "
             f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
         )
-
-
-def _disk_full(where: Path) -> Optional[str]:
-    """Why a failed commit in ``where`` was (probably) out of space, or None."""
-    try:
-        st = os.statvfs(where)
-        free = min(st.f_bavail, st.f_bfree) * st.f_frsize
-        if free < _PROBE:
-            return f"only {free} bytes free on the disk"
-        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        data = where / "data.mdb"
-        if soft != resource.RLIM_INFINITY and data.exists() and data.stat().st_size + _PROBE > soft:
-            return f"the process file-size limit (ulimit -f) of {soft} bytes is reached"
-        probe = where / f".space-probe.{os.getpid()}"
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, _PROBE)
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                return f"no room for {_PROBE} more bytes ({os.strerror(err.errno)})"
-        finally:
-            os.close(fd)
-            os.unlink(probe)
-    except OSError:
-        return None
-    return None
-
-
-def translate(err: lmdb.Error, path: Path, stage: str) -> StoreError:
-    """Turn an lmdb error into a promptstore StoreError with a hint."""
-    code = getattr(err, "errno", None)
-    text = str(err)
-    if isinstance(err, lmdb.MapFullError):
-        return StoreFull(f"{path}: {stage}: LMDB map is full; delete entries or run `promptstore gc`")
-    if code in (errno.ENOSPC, errno.EFBIG) or "No space left" in text or "too large" in text or isinstance(err, lmdb.DiskError):
-        return StoreFull(f"{path}: {stage}: the disk is full ({text}); free space or lower the budget")
-    if "Input/output error" in text:
-        why = _disk_full(path)
-        if why is not None:
-            return StoreFull(
-                f"{path}: {stage}: {why}; nothing of this write was kept. Free disk space, "
-                "lower the budget (`promptstore gc --budget`) or `promptstore compact`"
-            )
-    if isinstance(err, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError)):
-        return StoreUnavailable(
-            f"{path}: {stage}: the store file is damaged ({text}); salvage intact entries with "
-            "`promptstore salvage` or remove the directory"
-        )
-    if isinstance(err, lmdb.ReadonlyError):
-        return StoreUnavailable(f"{path}: {stage}: the store is read-only ({text})")
-    return StoreError(f"{path}: {stage}: {type(err).__name__}: {text}")

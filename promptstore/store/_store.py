@@ -2,7 +2,8 @@
 
 The facade. It validates its arguments and hands the work to collaborators
 that own their state: :class:`~promptstore.store._env.Env` (transactions),
-:class:`~promptstore.store._read.Reader`, :class:`~promptstore.store._write.EntryWriter`
+:class:`~promptstore.store._read.Reader`, :class:`~promptstore.store._find.Finder`
+(the queries), :class:`~promptstore.store._write.EntryWriter`
 (the one write path), :class:`~promptstore.store._catalog.Catalog` (ids,
 listing), :class:`~promptstore.store._usage.Usage` (last use, counters),
 :class:`~promptstore.store._capacity.Capacity` (budget, pins, gc) and
@@ -13,34 +14,24 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from promptstore import rows
 from promptstore._paths import default_path
-from promptstore.codecs import codec_for_layer, encode_layer, is_trimmable, storage_kind, trim_cache
-from promptstore.errors import (
-    CorruptEntry,
-    CoverageMismatch,
-    InvalidInput,
-    ModelMismatch,
-    PromptStoreError,
-    StoreClosed,
-    StoreError,
-    UnknownStorageKind,
-    UnsupportedVersion,
-)
+from promptstore.codecs import codec_for_layer, encode_layer, is_trimmable, trim_cache
+from promptstore.errors import InvalidInput, PromptStoreError, StoreError
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
 from promptstore.remote import Key as RemoteKey
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
-from promptstore.store import _index, _keys
+from promptstore.store import _keys
 from promptstore.store._capacity import Capacity
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import DEFAULT_MAP_SIZE, Env
+from promptstore.store._find import Finder
 from promptstore.store._gate import CLOSE_TIMEOUT, closed_error
 from promptstore.store._read import Reader
 from promptstore.store._results import EntryInfo, GcReport, Hit, SalvageReport, VerifyReport, utc
@@ -49,7 +40,7 @@ from promptstore.store._upgrade import upgrade as _upgrade
 from promptstore.store._schema import Tables
 from promptstore.store._usage import Usage
 from promptstore.store._verify import Maintenance
-from promptstore.store._write import EntryWriter
+from promptstore.store._write import EntryWriter, check_coverage
 
 __all__ = ["PromptStore", "EntryInfo", "Hit", "VerifyReport", "default_path"]
 
@@ -113,9 +104,8 @@ class PromptStore:
         self._writer = EntryWriter(self.path, env, tables, self._blobs, self._packs, self._usage, shared_blocks, block_tokens)
         self._catalog = Catalog(self.path, tables, self._usage)
         self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._packs, self._reader, self._writer)
+        self._finder = Finder(self.path, self._reader, self._catalog, self._usage)
         self._capacity = Capacity(self.path, env, tables, self._usage, self._catalog, self._writer, self._maintenance)
-        self._flusher: Optional[threading.Thread] = None
-        self._flushing_lock = threading.Lock()
         env.check_format(self._maintenance.upgrade_format)
         env.check_identity()
         if budget is not None:
@@ -192,28 +182,10 @@ class PromptStore:
             self.env.write(self._usage.flush_in)
 
     def _flush_soon(self) -> None:
-        """Have recorded usage written within ``Usage.FLUSH_EVERY`` seconds, on
-        a background thread, so other processes' eviction sees this one's reads
-        within that delay even if it never writes; the read never waits for it."""
+        """Have recorded usage written within ``Usage.FLUSH_EVERY`` seconds, in the background."""
         env = self._env
-        if env is None or env.readonly or not self._usage.pending() or os.getpid() != env.pid:
-            return
-        with self._flushing_lock:
-            if self._flusher is not None and self._flusher.is_alive():
-                return
-            self._flusher = threading.Thread(target=self._flush_later, name="promptstore-usage", daemon=True)
-            self._flusher.start()
-
-    def _flush_later(self) -> None:
-        env = self._env
-        if env is None or env.wait_closing(self._usage.wait()):
-            return  # closing: close flushes what was recorded
-        try:
-            self.flush()
-        except StoreClosed:
-            pass
-        except PromptStoreError as err:
-            log.warning("promptstore: recording last uses failed (retried at the next write): %s", err)
+        if env is not None and not env.readonly and os.getpid() == env.pid:
+            self._usage.flush_soon(env, self.flush)
 
     # -- writing -------------------------------------------------------------
 
@@ -254,22 +226,7 @@ class PromptStore:
         if not layers:
             raise InvalidInput("cache has no layers")
         n = len(toks)
-        if coverage is not None and coverage != n:
-            raise CoverageMismatch(f"the cache covers {coverage} tokens but {n} tokens were given")
-        reported = False
-        for i, layer in enumerate(layers):
-            cov = codec_for_layer(layer).coverage(layer)
-            reported = reported or cov is not None
-            if cov is not None and cov != n:
-                raise CoverageMismatch(
-                    f"layer {i} ({storage_kind(layer)}) covers {cov} tokens but {n} tokens were given; "
-                    "pass exactly the tokens the cache has absorbed"
-                )
-        if not reported and coverage is None:
-            raise CoverageMismatch(
-                "no layer of this cache reports how many tokens it covers, so the tokens cannot be "
-                "checked: pass coverage=len(tokens) when you know it (you prefilled the cache)"
-            )
+        check_coverage(layers, n, coverage)
         if meta is not None and not isinstance(meta, dict):
             raise InvalidInput("meta must be a dict")
         encoded = [encode_layer(layer) for layer in layers]
@@ -317,10 +274,7 @@ class PromptStore:
             EntryNotFound: no entry, or the prefix is ambiguous.
         """
         def write(txn) -> Tuple[EntryInfo, bytes]:  # resolve and delete in one transaction
-            ekey = self._catalog.resolve(txn, key)
-            man = self._reader.manifest(txn, ekey)
-            if man is None:
-                raise self._catalog.vanished(key)
+            ekey, man = self._finder.resolve(txn, key)
             info = self._catalog.info(txn, ekey, man)
             self._writer.drop(txn, ekey)
             return info, ekey
@@ -371,13 +325,7 @@ class PromptStore:
         so a caller that re-puts it replaces it.
         """
         toks = _keys.as_tokens(tokens)
-        ekey = _keys.entry_key(_keys.model_id(model), toks)
-        with self.env.read() as txn:
-            try:
-                man = self._reader.manifest(txn, ekey)
-            except PromptStoreError:
-                return False
-        return man is not None and man.intact and man.model == model and np.array_equal(man.tokens, toks)
+        return self._finder.exists(self.env, model, toks)
 
     def get(self, model: str, tokens: _keys.Tokens) -> Optional[List[Any]]:
         """The stored cache of exactly ``tokens``, or None.
@@ -388,7 +336,7 @@ class PromptStore:
             ModelMismatch: the entry's recorded identity is not ``model``.
         """
         toks = _keys.as_tokens(tokens)
-        hit = self._reader.again(lambda lost: self._get_exact(model, toks))
+        hit = self._reader.again(lambda lost: self._finder.exact(self.env, model, toks))
         self._flush_soon()
         if hit is None and self._remote is not None:
             found = self._remote.remote.get(self._remote_key(model, toks))
@@ -398,33 +346,13 @@ class PromptStore:
                 hit = self._adopt(model, found.manifest, fetched, found.matched)
         return None if hit is None else hit.cache
 
-    def _get_exact(self, model: str, toks: np.ndarray) -> Optional[Hit]:
-        ekey = _keys.entry_key(_keys.model_id(model), toks)
-        with self.env.read(buffers=True) as txn:
-            man = self._reader.manifest(txn, ekey)
-            if man is None:
-                self._usage.count("misses")
-                return None
-            if man.model != model:
-                raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
-            if not np.array_equal(man.tokens, toks):
-                raise CorruptEntry(f"{self.path} entry {man.entry_id}: stored tokens do not match its key")
-            cache = self._reader.restore(txn, ekey, man)
-            info = self._catalog.info(txn, ekey, man)
-        self._usage.touch(ekey)
-        self._usage.count("hits")
-        return Hit(cache, len(toks), info, 0, man.payload + man.shared_bytes)
-
     def peek(self, model: str, tokens: _keys.Tokens) -> int:
         """How many tokens of ``tokens`` :meth:`lookup` would cover, reading
         manifests only (no arrays), so a caller can skip a restore that would
         not beat what it holds. 0 when nothing matches.
         """
-        mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        with self.env.read() as txn:
-            manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
-            local = next((m for _e, m, man in _index.candidates(txn, self.env.db, mid, toks, manifest) if man.model == model), 0)
+        local = self._finder.peek(self.env, model, toks)
         if self._remote is not None and local < len(toks):
             found = self._remote.remote.find(self._remote_key(model, toks), local)
             return found.matched if found is not None else local
@@ -434,15 +362,8 @@ class PromptStore:
         """The stored entries of ``model`` whose tokens are a prefix of
         ``tokens`` (``tokens`` itself included), longest first; manifests only.
         Its cost is bounded by the query, not by the number of entries."""
-        mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        found: List[EntryInfo] = []
-        with self.env.read() as txn:
-            manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
-            for _n, ekey, man in _index.exact(txn, self.env.db, mid, toks, manifest):
-                if man.model == model:
-                    found.append(self._catalog.info(txn, ekey, man))
-        return found
+        return self._finder.prefixes(self.env, model, toks)
 
     def lookup(self, model: str, tokens: _keys.Tokens) -> Optional[Hit]:
         """The longest usable stored prefix of ``tokens``, restored.
@@ -456,9 +377,8 @@ class PromptStore:
             A Hit (``matched`` tokens are covered by ``hit.cache``; the
             caller prefills ``tokens[hit.matched:]``), or None.
         """
-        mid = _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        hit = self._reader.again(lambda lost: self._lookup(model, mid, toks, lost))
+        hit = self._reader.again(lambda lost: self._finder.longest(self.env, model, toks, lost))
         self._flush_soon()
         if self._remote is not None and (hit is None or hit.matched < len(toks)):
             got = self._remote.remote.read_through(self._remote_key(model, toks), hit.matched if hit else 0, hit.cache if hit else None)
@@ -496,40 +416,6 @@ class PromptStore:
             trim_cache(cache, n - matched)
         return Hit(cache, matched, info, n - matched, man.nbytes)
 
-    def _lookup(self, model: str, mid: bytes, toks: np.ndarray, lost: Set[str]) -> Optional[Hit]:
-        with self.env.read(buffers=True) as txn:
-            manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
-            for ekey, matched, man in _index.candidates(txn, self.env.db, mid, toks, manifest):
-                # A prefix of a longer entry reads only the blocks it needs.
-                read = man.prefix(matched) if matched < len(man.tokens) else None
-                read = read if read is not None else man
-                try:
-                    if man.model != model:
-                        raise ModelMismatch(f"entry {man.entry_id} belongs to {man.model!r}, not {model!r}")
-                    cache = self._reader.restore(txn, ekey, read)
-                except _blobs.Vanished as err:
-                    if err.blob not in lost:
-                        raise  # deleted since this snapshot, or lost: look again
-                    log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
-                    continue
-                except (UnsupportedVersion, UnknownStorageKind) as err:
-                    if not man.intact:
-                        log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
-                    else:  # not damage: never suggest deleting it
-                        log.warning("promptstore: skipping entry %s, written by a newer promptstore: %s", man.entry_id, err)
-                    continue
-                except PromptStoreError as err:
-                    log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
-                    continue
-                if len(read.tokens) > matched:
-                    trim_cache(cache, len(read.tokens) - matched)
-                info = self._catalog.info(txn, ekey, man)
-                self._usage.touch(ekey)
-                self._usage.count("hits")
-                return Hit(cache, matched, info, len(man.tokens) - matched, read.payload + read.shared_bytes)
-        self._usage.count("misses")
-        return None
-
     def load(self, key: str, model: Optional[str] = None) -> Tuple[List[Any], EntryInfo, List[int]]:
         """Restore an entry by id: ``(cache, info, tokens)``.
 
@@ -538,20 +424,7 @@ class PromptStore:
             ModelMismatch: ``model`` is given and the entry belongs to another.
             CorruptEntry, UnknownStorageKind, UnsupportedVersion.
         """
-        return self._reader.again(lambda lost: self._load(key, model))
-
-    def _load(self, key: str, model: Optional[str]) -> Tuple[List[Any], EntryInfo, List[int]]:
-        with self.env.read(buffers=True) as txn:
-            ekey = self._catalog.resolve(txn, key)
-            man = self._reader.manifest(txn, ekey)
-            if man is None:
-                raise self._catalog.vanished(key)
-            if model is not None and man.model != model:
-                raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
-            cache = self._reader.restore(txn, ekey, man)
-            info = self._catalog.info(txn, ekey, man)
-        self._usage.touch(ekey)
-        return cache, info, man.tokens.tolist()
+        return self._reader.again(lambda lost: self._finder.by_id(self.env, key, model))
 
     # -- inspecting ------------------------------------------------------------
 
@@ -561,20 +434,11 @@ class PromptStore:
         Raises:
             EntryNotFound: no such entry, or the prefix is ambiguous.
         """
-        with self.env.read() as txn:
-            ekey = self._catalog.resolve(txn, key)
-            man = self._reader.manifest(txn, ekey)
-            if man is None:
-                raise self._catalog.vanished(key)
-            return self._catalog.info(txn, ekey, man)
+        return self._finder.info(self.env, key)
 
     def tokens(self, key: str) -> List[int]:
         """The token ids of the entry with id (or unique prefix) ``key``."""
-        with self.env.read() as txn:
-            man = self._reader.manifest(txn, self._catalog.resolve(txn, key))
-            if man is None:
-                raise self._catalog.vanished(key)
-            return man.tokens.tolist()
+        return self._finder.tokens(self.env, key)
 
     def entries(self, model: Optional[str] = None) -> Iterator[EntryInfo]:
         """EntryInfo of every readable entry (of ``model`` when given).

@@ -3,20 +3,25 @@
 A read records its entry's last use and the hit or miss in memory; the next
 write transaction of this process (a put, gc, close) writes them, and so
 does a background flush within :data:`FLUSH_EVERY` seconds of a read
-(``PromptStore._flush_soon``), so reads never wait for the writer lock and a
+(:meth:`Usage.flush_soon`), so reads never wait for the writer lock and a
 process that only reads still counts for eviction order everywhere. A store
 opened read-only keeps them to itself.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
-from typing import Dict, Iterable
+from typing import Callable, Dict, Iterable, Optional
 
+from promptstore.errors import PromptStoreError, StoreClosed
 from promptstore.store import _budget
+from promptstore.store._env import Env
 from promptstore.store._schema import F64, U64, Tables, stat_key, u64_or
+
+log = logging.getLogger("promptstore")
 
 COUNTERS = ("hits", "misses")
 FLUSH_EVERY = 2.0  # seconds: the longest a read's last use stays unwritten while its process runs
@@ -31,6 +36,8 @@ class Usage:
         self._touched: Dict[bytes, float] = {}
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
+        self._flusher: Optional[threading.Thread] = None
+        self._flusher_lock = threading.Lock()
 
     def wait(self) -> float:
         """Seconds until a flush is due (:data:`FLUSH_EVERY` after the last one)."""
@@ -70,6 +77,30 @@ class Usage:
         for what, n in counts.items():
             key = stat_key(what)
             txn.put(key, U64.pack(u64_or(txn.get(key, db=db.info)) + n), db=db.info)
+
+    def flush_soon(self, env: Env, flush: Callable[[], None]) -> None:
+        """Have what is recorded written within :data:`FLUSH_EVERY` seconds by
+        ``flush`` on a background thread (one at a time), so other processes'
+        eviction sees this one's reads within that delay even if it never
+        writes; the read never waits for it. Closing ``env`` stops the wait
+        (close flushes what was recorded)."""
+        if not self.pending():
+            return
+        with self._flusher_lock:
+            if self._flusher is not None and self._flusher.is_alive():
+                return
+            self._flusher = threading.Thread(target=self._flush_later, args=(env, flush), name="promptstore-usage", daemon=True)
+            self._flusher.start()
+
+    def _flush_later(self, env: Env, flush: Callable[[], None]) -> None:
+        if env.wait_closing(self.wait()):
+            return
+        try:
+            flush()
+        except StoreClosed:
+            pass
+        except PromptStoreError as err:
+            log.warning("promptstore: recording last uses failed (retried at the next write): %s", err)
 
     def counters(self, txn) -> Dict[str, int]:
         """Hits and misses as stored (by every process, after their flush)."""

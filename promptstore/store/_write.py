@@ -18,12 +18,12 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from promptstore.codecs import Encoded, codec_for_kind
-from promptstore.errors import InvalidInput, PromptStoreError
+from promptstore.codecs import Encoded, codec_for_kind, codec_for_layer, storage_kind
+from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _fill, _packs, _payload
 from promptstore.format._entry import Manifest
 from promptstore.store import _budget, _index, _keys, _packing
@@ -413,6 +413,32 @@ class EntryWriter:
         except BaseException:
             return True
         return man is not None and man.blob == name
+
+
+def check_coverage(layers: Sequence[Any], n: int, coverage: Optional[int]) -> None:
+    """Refuse a cache that is not exactly ``n`` tokens: a layer reporting
+    another coverage, ``coverage`` (the caller's word) other than ``n``, or
+    no layer reporting any and no ``coverage`` given.
+
+    Raises:
+        CoverageMismatch
+    """
+    if coverage is not None and coverage != n:
+        raise CoverageMismatch(f"the cache covers {coverage} tokens but {n} tokens were given")
+    reported = False
+    for i, layer in enumerate(layers):
+        cov = codec_for_layer(layer).coverage(layer)
+        reported = reported or cov is not None
+        if cov is not None and cov != n:
+            raise CoverageMismatch(
+                f"layer {i} ({storage_kind(layer)}) covers {cov} tokens but {n} tokens were given; "
+                "pass exactly the tokens the cache has absorbed"
+            )
+    if not reported and coverage is None:
+        raise CoverageMismatch(
+            "no layer of this cache reports how many tokens it covers, so the tokens cannot be "
+            "checked: pass coverage=len(tokens) when you know it (you prefilled the cache)"
+        )
 
 
 _PARALLEL_HASH = 16 << 20  # a put with at least this many bytes of blocks hashes them on the fill threads

@@ -1,0 +1,73 @@
+"""LMDB's failures turned into the store's typed errors, with what to do.
+
+A full disk (ENOSPC) and a file-size limit (EFBIG) both reach Python as
+``mdb_txn_commit: Input/output error``; a failed commit is probed to tell
+them from a real I/O error (reproduced when this was written), and both
+become :class:`StoreFull`. A damaged file becomes :class:`StoreUnavailable`
+naming ``promptstore salvage``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+from pathlib import Path
+from typing import Optional
+
+import lmdb
+
+from promptstore.errors import StoreError, StoreFull, StoreUnavailable
+
+_PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
+
+
+def _disk_full(where: Path) -> Optional[str]:
+    """Why a failed commit in ``where`` was (probably) out of space, or None."""
+    try:
+        st = os.statvfs(where)
+        free = min(st.f_bavail, st.f_bfree) * st.f_frsize
+        if free < _PROBE:
+            return f"only {free} bytes free on the disk"
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        data = where / "data.mdb"
+        if soft != resource.RLIM_INFINITY and data.exists() and data.stat().st_size + _PROBE > soft:
+            return f"the process file-size limit (ulimit -f) of {soft} bytes is reached"
+        probe = where / f".space-probe.{os.getpid()}"
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, _PROBE)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                return f"no room for {_PROBE} more bytes ({os.strerror(err.errno)})"
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError:
+        return None
+    return None
+
+
+def translate(err: lmdb.Error, path: Path, stage: str) -> StoreError:
+    """Turn an lmdb error into a promptstore StoreError with a hint."""
+    code = getattr(err, "errno", None)
+    text = str(err)
+    if isinstance(err, lmdb.MapFullError):
+        return StoreFull(f"{path}: {stage}: LMDB map is full; delete entries or run `promptstore gc`")
+    if code in (errno.ENOSPC, errno.EFBIG) or "No space left" in text or "too large" in text or isinstance(err, lmdb.DiskError):
+        return StoreFull(f"{path}: {stage}: the disk is full ({text}); free space or lower the budget")
+    if "Input/output error" in text:
+        why = _disk_full(path)
+        if why is not None:
+            return StoreFull(
+                f"{path}: {stage}: {why}; nothing of this write was kept. Free disk space, "
+                "lower the budget (`promptstore gc --budget`) or `promptstore compact`"
+            )
+    if isinstance(err, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError)):
+        return StoreUnavailable(
+            f"{path}: {stage}: the store file is damaged ({text}); salvage intact entries with "
+            "`promptstore salvage` or remove the directory"
+        )
+    if isinstance(err, lmdb.ReadonlyError):
+        return StoreUnavailable(f"{path}: {stage}: the store is read-only ({text})")
+    return StoreError(f"{path}: {stage}: {type(err).__name__}: {text}")
