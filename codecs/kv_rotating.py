@@ -4,6 +4,13 @@ Only valid slots are written: ``min(offset, buffer length)`` positions in
 buffer order, plus ``_idx`` (the ring's write position), so the restored
 cache continues exactly where the saved one stood.
 
+A window that has dropped nothing holds the entry's tokens in order (its
+stored positions are exactly ``offset`` long, and ``idx == offset``), so
+its arrays go to shared blocks like a full KV cache's, and a prefix hit
+reads only the blocks it needs. Once it wraps, it holds fewer positions than
+the entry's tokens, in ring order, and its arrays stay in the entry's
+payload (``format._payload.spans_tokens``).
+
 Trimmable only until the window wraps (mlx-lm's trim then leaves the rejected
 keys in the ring); speculative decoding runs window rounds on it instead, which
 drop rejected positions physically (``window_rounds``, ``promptstore.ssm._window``).
@@ -42,10 +49,14 @@ class RotatingKVCodec(TrimmableKVCodec):
     rows = RotatingKVRows()
     mlx_lm_class = RotatingKVCache
     window_rounds = True
-    shared_blocks = False  # a window's positions are not the entry's tokens in order
+    shared_blocks = True  # only while its arrays span the entry's tokens: it has dropped nothing
 
     def prefix_meta(self, meta, n):
-        return None
+        # Only a window that has dropped nothing is in blocks: its first n
+        # positions are the prefix's, with the write position right after them.
+        if meta.get("idx") != meta.get("offset"):
+            return None
+        return {**meta, "offset": n, "idx": n}
 
     def needs_checkpoints(self, layer, n_tokens):
         # A window no longer than the prompt wraps, and a wrapped one cannot trim.
