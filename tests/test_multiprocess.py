@@ -114,7 +114,7 @@ def test_opening_a_store_while_another_process_commits(tmp_path, monkeypatch):
     import sys
     import textwrap
 
-    from promptstore.store import _env
+    from promptstore.store import _faults
 
     path = tmp_path / "s"
     PromptStore(path).close()
@@ -130,13 +130,13 @@ def test_opening_a_store_while_another_process_commits(tmp_path, monkeypatch):
             s.put("m", list(range(1, 1025)), [c])  # 8 MiB more of data.mdb
         """
     )
-    real = _env.pages_needed
+    real = _faults.pages_needed
 
     def committed_meanwhile(env):
         subprocess.run([sys.executable, "-c", grow], check=True, timeout=120)
         return real(env)
 
-    monkeypatch.setattr(_env, "pages_needed", committed_meanwhile)
+    monkeypatch.setattr(_faults, "pages_needed", committed_meanwhile)
     PromptStore(path).close()
 
 
@@ -164,3 +164,73 @@ def _one():
     c.keys = c.values = mx.zeros((1, 1, 2, 4))
     c.offset = 2
     return [c]
+
+
+def test_a_map_resize_waits_for_the_other_threads_reads(tmp_path):
+    """Another process grows the map while a thread of this one is inside a
+    read. Another thread's next transaction sees MapResizedError and must
+    adopt the new size; py-lmdb invalidates every open transaction of an
+    environment it resizes, so the adoption waits until the first thread's
+    read is done, which then reads to its end ("Attempt to operate on
+    closed/deleted/dropped object" before)."""
+    import subprocess
+    import sys
+    import textwrap
+    import threading
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    path = tmp_path / "s"
+    store = PromptStore(path, map_size=4 << 20)
+    small = KVCache()
+    k = mx.random.normal((1, 2, 16, 8), key=mx.random.key(0))
+    small.update_and_fetch(k, k)
+    for i in range(20):
+        store.put("m", [i] * 16, [small])
+    grow = textwrap.dedent(
+        f"""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+        from promptstore import PromptStore
+        with PromptStore({str(path)!r}, shared_blocks=False) as s:
+            for i in range(32):  # 512 KiB payloads stay in LMDB (blob files start at 1 MiB): 16 MiB, past the 4 MiB map
+                c = KVCache()
+                k = mx.random.normal((1, 4, 128, 128), key=mx.random.key(i))
+                c.update_and_fetch(k, -k)
+                s.put("m", [100 + i] + list(range(1, 128)), [c])
+        """
+    )
+    inside, grown, done = threading.Event(), threading.Event(), {}
+
+    def hold_a_read():
+        try:
+            with store.env.read() as txn:
+                first = sum(1 for _ in txn.cursor(db=store.env.db.entries))
+                inside.set()
+                grown.wait(60)
+                time.sleep(0.5)  # the other thread is waiting to resize meanwhile
+                done["reader"] = (first, sum(1 for _ in txn.cursor(db=store.env.db.entries)))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            done["reader"] = err
+
+    def get_after_growth():
+        try:
+            done["get"] = store.get("m", [3] * 16)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            done["get"] = err
+
+    reader = threading.Thread(target=hold_a_read)
+    reader.start()
+    assert inside.wait(30)
+    subprocess.run([sys.executable, "-c", grow], check=True, timeout=300)
+    getter = threading.Thread(target=get_after_growth)
+    getter.start()
+    grown.set()
+    reader.join(60)
+    getter.join(60)
+    assert done["reader"] == (20, 20), done["reader"]
+    assert isinstance(done["get"], list) and done["get"][0].offset == 16, done["get"]
+    assert len(list(store.entries())) == 52
+    store.close()

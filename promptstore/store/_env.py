@@ -4,7 +4,9 @@ Facts this module encodes (each reproduced when it was written; tests cover them
 * ``map_size`` is only address space: it starts large; on ``MapFullError``
   the map doubles and the write is retried; other processes then see
   ``MapResizedError`` on their next transaction and adopt the new size with
-  ``set_mapsize(0)``.
+  ``set_mapsize(0)``. py-lmdb invalidates every open transaction of an
+  environment that is resized, so a thread resizes only once the other
+  threads' transactions on it are done (``Env._set_mapsize``).
 * ``reader_check()`` on open clears reader slots of dead processes, whose
   stale snapshots would otherwise block page reuse forever.
 * An environment must never cross ``fork()``: every call checks the pid.
@@ -41,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 import lmdb
 
 from promptstore.format import _pages
-from promptstore.store._faults import translate
+from promptstore.store._faults import check_size, translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
 from promptstore.store._schema import (
     DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
@@ -87,6 +89,7 @@ class _Gen:
     def __init__(self, env: lmdb.Environment, db: Dict[bytes, Any], name: str, where: Path):
         self.env, self.db, self.name, self.dir = env, db, name, where
         self.active = 0
+        self.resizing = 0  # of the active, those waiting in Env._set_mapsize (no transaction open)
         self._data: Optional[_pages.DataFile] = None
         self._data_lock = threading.Lock()
 
@@ -349,24 +352,58 @@ class Env:
             gen.active -= 1
             self._lock.notify_all()
 
-    def _begin(self, gen: _Gen, write: bool, buffers: bool) -> lmdb.Transaction:
+    def _begin(self, gen: _Gen, write: bool, buffers: bool, counted: bool = True) -> lmdb.Transaction:
+        """Begin a transaction in ``gen``; ``counted``: the caller counts in ``gen.active``."""
         for _ in range(3):
             try:
                 if buffers:
                     return gen.env.begin(write=write, buffers=True)
                 return gen.env.begin(write=write)
             except lmdb.MapResizedError:
-                gen.env.set_mapsize(0)  # another process grew the map: adopt its size
+                self._set_mapsize(gen, 0, counted=counted)  # another process grew the map: adopt its size
             except lmdb.Error as err:
                 raise translate(err, gen.dir, "begin transaction") from err
         raise StoreUnavailable(f"{self.path}: the map kept being resized by other processes; retry")
+
+    def _set_mapsize(self, gen: _Gen, size: int, seen: Optional[int] = None, counted: bool = True) -> None:
+        """Resize ``gen``'s map (``size`` 0: adopt the size another process
+        set), once no other transaction of this process is open on it: py-lmdb
+        invalidates every open transaction of the environment when the map is
+        resized, and a read in another thread then fails ("Attempt to operate
+        on closed/deleted/dropped object"). The caller holds no transaction;
+        ``counted``: it counts in ``gen.active`` (a raw :meth:`begin` does
+        not, and is counted here while it waits). ``seen``: the map size the caller found
+        full; when the map has grown since (another thread), nothing is done.
+
+        Raises:
+            StoreUnavailable: a transaction of this process stayed open for a
+                minute (a write inside a read of the same thread never ends).
+        """
+        with self._lock:
+            gen.active += 0 if counted else 1
+            gen.resizing += 1
+            try:
+                deadline = time.monotonic() + 60
+                while gen.active > gen.resizing:
+                    if time.monotonic() > deadline:
+                        raise StoreUnavailable(
+                            f"{self.path}: the map must be resized but this process keeps a transaction open; "
+                            "finish it (no write inside a read) and retry"
+                        )
+                    self._lock.wait(0.05)
+                if seen is None or gen.env.info()["map_size"] <= seen:
+                    gen.env.set_mapsize(size)
+            finally:
+                gen.resizing -= 1
+                gen.active -= 0 if counted else 1
+                self._lock.notify_all()
 
     def begin(self, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
         """A raw transaction on the live generation (prefer :meth:`read`/:meth:`write`).
         Not counted as in flight: :meth:`close` does not wait for it."""
         self.check_pid()
         self._gate.check()
-        return self._begin(self._gen, write, buffers)
+        return self._begin(self._gen, write, buffers, counted=False)
 
     @contextmanager
     def read(self, buffers: bool = False) -> Iterator[lmdb.Transaction]:
@@ -442,7 +479,7 @@ class Env:
                             f"{self.path}: LMDB map of {size} bytes is full; delete entries or run "
                             "`promptstore gc`"
                         ) from err
-                    gen.env.set_mapsize(size * 2)
+                    self._set_mapsize(gen, size * 2, size)
                 except lmdb.Error as err:
                     txn.abort()
                     raise translate(err, gen.dir, "write") from err
@@ -556,23 +593,3 @@ class Env:
         the fork."""
         if os.getpid() == self.pid:
             self._gate.close(timeout, last)
-
-
-def pages_needed(env: lmdb.Environment) -> int:
-    """Bytes data.mdb must have for every page the newest meta page uses."""
-    return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-
-
-def check_size(env: lmdb.Environment, where: Path) -> None:
-    """Refuse a truncated data.mdb: LMDB would touch pages past its end and
-    the process would die of SIGBUS (reproduced on LMDB 0.9.x)."""
-    need = pages_needed(env)  # first: a commit since only grows the file, never shrinks it
-    try:
-        have = (where / "data.mdb").stat().st_size
-    except OSError:
-        return
-    if have < need:
-        raise StoreUnavailable(
-            f"{where / 'data.mdb'} is truncated: {have} bytes, but its pages reach {need}; copy the intact "
-            f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
-        )

@@ -3,8 +3,8 @@
 A full disk (ENOSPC) and a file-size limit (EFBIG) both reach Python as
 ``mdb_txn_commit: Input/output error``; a failed commit is probed to tell
 them from a real I/O error (reproduced when this was written), and both
-become :class:`StoreFull`. A damaged file becomes :class:`StoreUnavailable`
-naming ``promptstore salvage``.
+become :class:`StoreFull`. A damaged or truncated file becomes
+:class:`StoreUnavailable` naming ``promptstore salvage``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,26 @@ import lmdb
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
 
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
+
+
+def pages_needed(env: lmdb.Environment) -> int:
+    """Bytes data.mdb must have for every page the newest meta page uses."""
+    return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+
+
+def check_size(env: lmdb.Environment, where: Path) -> None:
+    """Refuse a truncated data.mdb: LMDB would touch pages past its end and
+    the process would die of SIGBUS (reproduced on LMDB 0.9.x)."""
+    need = pages_needed(env)  # first: a commit since only grows the file, never shrinks it
+    try:
+        have = (where / "data.mdb").stat().st_size
+    except OSError:
+        return
+    if have < need:
+        raise StoreUnavailable(
+            f"{where / 'data.mdb'} is truncated: {have} bytes, but its pages reach {need}; copy the intact "
+            f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
+        )
 
 
 def _disk_full(where: Path) -> Optional[str]:

@@ -21,7 +21,8 @@ import lmdb
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 from promptstore.format import _blobs, _entry, _packs, _payload
 from promptstore.store import _budget, _keys, _rawscan
-from promptstore.store._env import Env, live_dir, pages_needed
+from promptstore.store._env import Env, live_dir
+from promptstore.store._faults import pages_needed
 from promptstore.store._read import assemble
 from promptstore.store._results import SalvageReport
 from promptstore.store._schema import (
