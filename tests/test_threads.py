@@ -143,3 +143,48 @@ def test_prefix_hashes_from_threads_growing_the_power_tables(monkeypatch):
         for t in threads:
             t.join()
         assert errors == []
+
+
+def test_puts_that_grow_the_map_while_other_threads_get(tmp_path):
+    """A put that finds the map full doubles it, and py-lmdb invalidates every
+    open transaction of the environment it resizes: the put waits until the
+    other threads' reads are done, so they never fail ("Attempt to operate
+    on closed/deleted/dropped object"), and it is not starved by them."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    def kv(i, n):
+        c = KVCache()
+        k = mx.random.normal((1, 4, n, 128), key=mx.random.key(i))
+        c.update_and_fetch(k, -k)
+        return c
+
+    store = PromptStore(tmp_path / "s", map_size=1 << 20, shared_blocks=False)
+    first = kv(0, 64)
+    store.put(MODEL, [0] * 64, [first])
+    stop, errors, reads = threading.Event(), [], [0]
+
+    def reader():
+        while not stop.is_set():
+            try:
+                got = store.get(MODEL, [0] * 64)
+                assert same_cache(got, [first])
+                reads[0] += 1
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(repr(err))
+                return
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(1, 60):  # 256 KiB payloads, kept in LMDB: the 1 MiB map doubles several times
+            store.put(MODEL, [i] * 128, [kv(i, 128)])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert errors == [] and reads[0] > 0
+    assert store.env.env.info()["map_size"] >= 16 << 20
+    assert same_cache(store.get(MODEL, [59] * 128), [kv(59, 128)])
+    store.close()
