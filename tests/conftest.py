@@ -102,6 +102,19 @@ def greedy(model, cache, first_logits, steps: int):
     return toks, logits
 
 
+def greedy_cache(model, tokens, n_prompt: int):
+    """What greedy decoding (mlx-lm's ``generate_step``) leaves in a cache:
+    the prompt but its last token in one forward, then one token a forward."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens[: n_prompt - 1])[None], cache=cache)
+    for t in tokens[n_prompt - 1 :]:
+        model(mx.array([[t]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 @pytest.fixture
 def store(tmp_path):
     with PromptStore(tmp_path / "store") as s:

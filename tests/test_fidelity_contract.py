@@ -26,7 +26,6 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import _merge_caches
 
@@ -34,6 +33,7 @@ from promptstore.ssm import SSMCache, adapt, make_prompt_cache
 from promptstore.ssm._recur import Trajectory, trajectory
 from promptstore.ssm.speculative import SpeculativeStats, speculative_generate_step
 from _bits import bits_equal
+from test_speculative import noisy_draft
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 HYBRIDS = ("qwen3_next", "qwen3_5")
@@ -171,19 +171,6 @@ class _Recording:
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
-
-
-@functools.lru_cache(maxsize=None)
-def noisy_draft(arch: str):
-    """The target's architecture with the target's weights plus seeded noise."""
-    draft, _ = load(str(MODELS / arch))
-    mx.random.seed(7)
-    noisy = [
-        (k, v + 0.05 * mx.random.normal(v.shape).astype(v.dtype) * mx.abs(v).mean() if v.ndim >= 2 else v)
-        for k, v in tree_flatten(draft.parameters())
-    ]
-    draft.load_weights(noisy)
-    return draft
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)

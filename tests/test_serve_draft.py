@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 from mlx_lm.generate import generate_step
 
-from conftest import MODELS, load_fixture
+from conftest import MODELS, greedy_cache, load_fixture
 from promptstore import PromptStore, fingerprint
 from promptstore.bench._draft import smaller_draft
 from test_serving_server import Server, cached, cli_json, text
@@ -47,24 +47,16 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
     log = tmp_path / "server.log"
     draft = ("--draft-model", str(MODELS / model), "--num-draft-tokens", "3")  # a self-draft
 
-    plain = Server(tmp_path / "plain", model, log)
-    try:
+    with Server(tmp_path / "plain", model, log) as plain:
         want = _answers(plain)
-    except BaseException:
-        plain.kill()
-        raise
     plain.stop()
 
     store = tmp_path / "store"
-    srv = Server(store, model, log, *draft)
-    try:
+    with Server(store, model, log, *draft) as srv:
         got = _answers(srv)
         assert [text(r) for r in got] == [text(r) for r in want]
         assert [r["usage"]["completion_tokens"] for r in got] == [r["usage"]["completion_tokens"] for r in want]
         assert all(cached(r) == 0 for r in got)
-    except BaseException:
-        srv.kill()
-        raise
     first = srv.stop()
     counters = first["cache"]
     assert first["draft_model"] == str(MODELS / model)
@@ -84,14 +76,10 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
         n = r["usage"]["prompt_tokens"]
         assert n - 1 in lengths and n + r["usage"]["completion_tokens"] in lengths
 
-    srv = Server(store, model, log, *draft)
-    try:
+    with Server(store, model, log, *draft) as srv:
         again = _answers(srv)  # memory is empty: whatever is cached came from the store
         assert [text(r) for r in again] == [text(r) for r in want]
         assert [cached(r) for r in again] == [r["usage"]["prompt_tokens"] - 1 for r in got]
-    except BaseException:
-        srv.kill()
-        raise
     second = srv.stop()["cache"]
     assert second["store_hits"] == len(PROMPTS) and second["errors"] == 0
     assert cli_json(store, "verify")["ok"]
@@ -99,18 +87,14 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
 
 def test_draft_server_refuses_what_it_cannot_run_and_keeps_serving(tmp_path):
     model = "qwen3_next"
-    srv = Server(tmp_path / "store", model, tmp_path / "server.log",
-                 "--draft-model", str(MODELS / model), "--num-draft-tokens", "2")
-    try:
+    with Server(tmp_path / "store", model, tmp_path / "server.log",
+                "--draft-model", str(MODELS / model), "--num-draft-tokens", "2") as srv:
         # mlx-lm's server answers a request whose generation raised with an
         # error status, or (non-streaming) by closing the connection
         with pytest.raises((urllib.error.HTTPError, http.client.RemoteDisconnected)):
             srv.chat(_chat(PROMPTS[0]), max_tokens=12, repetition_penalty=1.3)
         ok = srv.chat(_chat(PROMPTS[0]), max_tokens=12)
         assert text(ok) and ok["usage"]["completion_tokens"] > 0
-    except BaseException:
-        srv.kill()
-        raise
     counters = srv.stop()["cache"]
     assert counters["speculative_requests"] == 1 and counters["draft_tokens"] > 0
     assert "takes no logits processors" in (tmp_path / "server.log").read_text()
@@ -134,25 +118,17 @@ def test_sliding_window_draft_server_is_greedy_identical_and_continues_from_the_
                            max_tokens=24) for p, r in zip(PROMPTS, first)]
         return first + second
 
-    plain = Server(tmp_path / "plain", model, log)
-    try:
+    with Server(tmp_path / "plain", model, log) as plain:
         want = turns(plain)
-    except BaseException:
-        plain.kill()
-        raise
     plain.stop()
     assert all(r["usage"]["prompt_tokens"] > 16 for r in want)
 
     store = tmp_path / "store"
-    srv = Server(store, model, log, *draft)
-    try:
+    with Server(store, model, log, *draft) as srv:
         got = turns(srv)
         assert [text(r) for r in got] == [text(r) for r in want]
         assert [r["usage"]["completion_tokens"] for r in got] == [r["usage"]["completion_tokens"] for r in want]
         assert all(cached(r) > 0 for r in got[len(PROMPTS):])  # second turns start from a stored window
-    except BaseException:
-        srv.kill()
-        raise
     counters = srv.stop()["cache"]
     assert counters["speculative_requests"] == 2 * len(PROMPTS)
     assert 0 < counters["accepted_draft_tokens"] < counters["draft_tokens"]
@@ -161,14 +137,10 @@ def test_sliding_window_draft_server_is_greedy_identical_and_continues_from_the_
     assert docs and all("kv.rotating" in d["kinds"] for d in docs)
     _assert_stored_answers_are_greedy_caches(store, model, draft_dir, got[: len(PROMPTS)])
 
-    srv = Server(store, model, log, *draft)
-    try:
+    with Server(store, model, log, *draft) as srv:
         again = turns(srv)  # memory is empty: whatever is cached came from the store
         assert [text(r) for r in again] == [text(r) for r in want]
         assert all(cached(r) > 0 for r in again)
-    except BaseException:
-        srv.kill()
-        raise
     assert srv.stop()["cache"]["errors"] == 0
     assert cli_json(store, "verify")["ok"]
 
@@ -182,7 +154,7 @@ def _assert_stored_answers_are_greedy_caches(store, model: str, draft_dir, answe
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from test_spec_window import assert_seen_alike, greedy_cache
+    from test_spec_window import assert_seen_alike
 
     target, tokenizer, fp, _ = load_fixture(model)
     draft_model, _ = load(str(draft_dir))
@@ -213,20 +185,12 @@ def test_a_stop_string_mid_round_is_answered_as_without_a_draft_and_cached(tmp_p
               and tokenizer.encode(tokenizer.decode([answer[i]]), add_special_tokens=False) == [answer[i]])
     request = {"max_tokens": 12, "stop": [tokenizer.decode([answer[at]])]}
 
-    plain = Server(tmp_path / "plain", model, log)
-    try:
+    with Server(tmp_path / "plain", model, log) as plain:
         want = plain.chat(_chat(PROMPTS[0]), **request)
-    except BaseException:
-        plain.kill()
-        raise
     plain.stop()
     store = tmp_path / "store"
-    srv = Server(store, model, log, "--draft-model", str(MODELS / model), "--num-draft-tokens", "3")
-    try:
+    with Server(store, model, log, "--draft-model", str(MODELS / model), "--num-draft-tokens", "3") as srv:
         got = srv.chat(_chat(PROMPTS[0]), **request)
-    except BaseException:
-        srv.kill()
-        raise
     counters = srv.stop()["cache"]
     assert want["choices"][0]["finish_reason"] == "stop" and text(got) == text(want)
     assert got["usage"] == want["usage"]

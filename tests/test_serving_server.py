@@ -80,6 +80,15 @@ class Server:
         self.proc.communicate(timeout=30)
         self.log.close()
 
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        """Kill the server when the block raised (nothing may keep running);
+        otherwise it stays up: :meth:`stop` it to read its --json document."""
+        if kind is not None:
+            self.kill()
+
 
 def cli_json(store: Path, *args) -> object:
     out = subprocess.run([sys.executable, "-m", "promptstore.cli", "--store", str(store), *args, "--json"],

@@ -22,7 +22,6 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
@@ -32,7 +31,7 @@ from promptstore.serving._speculative import DraftCounters, make_stream_generate
 from promptstore.ssm import SSMCache, make_prompt_cache
 from promptstore.ssm.speculative import SpeculativeStats, speculative_generate_step
 from _bits import bits_equal
-from conftest import MODELS
+from conftest import MODELS, greedy_cache
 
 PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 8, 9]
 K = 3  # draft tokens per round
@@ -73,16 +72,6 @@ def rounds(arch: str, draft: str) -> Tuple[List[int], List[int]]:
         n += accepted + 1
         ends.append(n)
     return tokens, ends
-
-
-def greedy_cache(model: Any, tokens: List[int], n_prompt: int = len(PROMPT)) -> List[Any]:
-    """What greedy decoding leaves: the prompt but its last token at once, then a token a forward."""
-    cache = mlx_make_prompt_cache(model)
-    model(mx.array(tokens[: n_prompt - 1])[None], cache=cache)
-    for t in tokens[n_prompt - 1 :]:
-        model(mx.array([[t]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
 
 
 def _seen(c: Any) -> Tuple[Any, ...]:

@@ -16,7 +16,6 @@ import functools
 from typing import Any, List
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
@@ -32,7 +31,7 @@ from promptstore.serving._speculative import DraftCounters, make_stream_generate
 from promptstore.ssm._window import WindowRound
 from promptstore.ssm.speculative import SpeculativeStats, speculative_generate, speculative_generate_step
 from _bits import bits_equal
-from conftest import MODELS
+from conftest import MODELS, greedy_cache
 
 GEMMA = MODELS / "gemma3_text"
 PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 8, 9]
@@ -150,16 +149,6 @@ def greedy_tokens() -> List[int]:
     return [t for t, _ in generate_step(mx.array(PROMPT), gemma(), max_tokens=MAX_TOKENS)]
 
 
-def greedy_cache(model: Any, tokens: List[int], n_prompt: int = len(PROMPT)) -> List[Any]:
-    """What ``generate_step`` leaves: the prompt but its last token at once, then one token a forward."""
-    cache = mlx_make_prompt_cache(model)
-    model(mx.array(tokens[: n_prompt - 1])[None], cache=cache)
-    for t in tokens[n_prompt - 1 :]:
-        model(mx.array([[t]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
-
-
 def _clone(cache: List[Any]) -> List[Any]:
     out = []
     for c in cache:
@@ -205,8 +194,8 @@ def test_gemma_speculative_equals_greedy_past_the_window(noise, k, absorb_last):
         assert stats.acceptance == 1.0
     covered = PROMPT + (tokens if absorb_last else tokens[:-1])
     assert {c.offset for c in cache + dcache} == {len(covered)} and len(covered) > 2 * 16
-    assert_seen_alike(target, cache, greedy_cache(target, covered))
-    assert_seen_alike(draft, dcache, greedy_cache(draft, covered))
+    assert_seen_alike(target, cache, greedy_cache(target, covered, len(PROMPT)))
+    assert_seen_alike(draft, dcache, greedy_cache(draft, covered, len(PROMPT)))
 
 
 @pytest.mark.shape_dependent
@@ -222,7 +211,7 @@ def test_mlx_lm_trim_instead_of_the_bypass_is_caught(monkeypatch):
                              prompt_cache=cache, draft_cache=dcache)
     assert r.tokens == greedy_tokens()
     with pytest.raises(AssertionError):
-        assert_seen_alike(draft, dcache, greedy_cache(draft, PROMPT + r.tokens[:-1]))
+        assert_seen_alike(draft, dcache, greedy_cache(draft, PROMPT + r.tokens[:-1], len(PROMPT)))
 
 
 @pytest.mark.shape_dependent

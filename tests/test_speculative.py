@@ -27,11 +27,9 @@ MAX_TOKENS = 24
 
 
 @functools.lru_cache(maxsize=None)
-def models(arch: str):
-    """(plain reference, target, draft): the draft has the target's architecture and
-    other weights (the target's plus seeded noise), so it agrees only sometimes."""
-    plain, _ = load(str(MODELS / arch))
-    target, _ = load(str(MODELS / arch))
+def noisy_draft(arch: str):
+    """The target's architecture with the target's weights plus seeded noise,
+    so it agrees with the target only sometimes."""
     draft, _ = load(str(MODELS / arch))
     mx.random.seed(7)
     noisy = [
@@ -39,7 +37,15 @@ def models(arch: str):
         for k, v in tree_flatten(draft.parameters())
     ]
     draft.load_weights(noisy)
-    return plain, target, draft
+    return draft
+
+
+@functools.lru_cache(maxsize=None)
+def models(arch: str):
+    """(plain reference, target, draft): the draft is :func:`noisy_draft`."""
+    plain, _ = load(str(MODELS / arch))
+    target, _ = load(str(MODELS / arch))
+    return plain, target, noisy_draft(arch)
 
 
 @functools.lru_cache(maxsize=None)
