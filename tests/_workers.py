@@ -26,7 +26,9 @@ import time
 import traceback
 
 import numpy as np
-from _bits import bits_equal
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bits, also where the interpreter adds no script folder (PYTHONSAFEPATH)
+from _bits import bits_equal  # noqa: E402
 
 
 def make_entry(seed: int, i: int, big_every: int = 6):

@@ -88,6 +88,7 @@ def test_get_o_file_continues_in_mlx_lm_generate_exactly_as_the_uncached_prompt(
     assert other != uncached  # the comparison can tell prompts apart
 
 
+@pytest.mark.shape_dependent  # the reference: a fresh prefill of the prompt
 def test_import_of_a_real_cache_prompt_file_then_get_hits(tmp_path):
     prompt = "You are a helpful assistant. Summarise the design of prompt caches."
     out = tmp_path / "mlx.safetensors"

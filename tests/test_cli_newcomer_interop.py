@@ -106,6 +106,7 @@ def test_short_hybrid_file_is_checked_whole(tmp_path):
     assert entry["meta"]["import_check"] == f"first {entry['tokens']} of {entry['tokens']} tokens"
 
 
+@pytest.mark.missing_kernel(backend="cuda", op="quantized_matmul")  # in mlx_lm.cache_prompt's own prefill
 def test_quantized_file_from_cache_prompt_kv_bits_imports_and_is_checked(tmp_path):
     prompt = "Hello there. You are kind and patient."
     out = cache_prompt(LLAMA, prompt, tmp_path / "q.safetensors", "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0")

@@ -14,7 +14,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from conftest import ROOT, load_fixture
+from conftest import ROOT, backend, load_fixture
 from promptstore import PromptStore
 from promptstore import warmup
 from promptstore.cli import main
@@ -59,7 +59,11 @@ def test_every_prompt_hits_at_full_coverage(warmed, name):
     path, summary = warmed[name, 4]
     model, tok, fp, _ = load_fixture(name)
     assert (summary.prompts, summary.stored, summary.skipped, summary.failed) == (20, 20, 0, 0)
-    assert summary.batched and summary.ok
+    assert summary.ok
+    # Batched where a batch prefills bit-identically to serial rows; the job's
+    # probe falls back to serial where kernels depend on shape (README,
+    # "Fidelity contract"), and every prompt must hit all the same.
+    assert summary.batched or backend() != "cpu"
     with PromptStore(path) as st:
         for rec in _records():
             toks = _tokens(tok, rec)
@@ -81,6 +85,7 @@ def _branch(rec):
     return rec["messages"][:2] + [{"role": "assistant", "content": "Zebra."}, {"role": "user", "content": "Tell me more about zebras."}]
 
 
+@pytest.mark.shape_dependent  # the reference: a fresh prefill of the whole query
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
 def test_extended_conversation_hits(warmed, name):
     path, _ = warmed[name, 4]
@@ -169,6 +174,7 @@ def _dump(path):
     return out
 
 
+@pytest.mark.shape_dependent  # the reference: prefills one prompt at a time
 @pytest.mark.parametrize("name", ["llama", "qwen3_next", "qwen3_5"])
 def test_batched_entries_byte_identical_to_serial(warmed, name):
     batched, serial = _dump(warmed[name, 4][0]), _dump(warmed[name, 1][0])
@@ -178,6 +184,7 @@ def test_batched_entries_byte_identical_to_serial(warmed, name):
         assert batched[k] == serial[k], k.hex()
 
 
+@pytest.mark.shape_dependent  # the reference: one prefill per prompt
 def test_batched_equals_plain_prefill_dense(warmed):
     """The dense batched entries equal what `promptstore put` (one prefill) stores."""
     model, tok, fp, _ = load_fixture("llama")

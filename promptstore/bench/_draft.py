@@ -42,14 +42,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 import mlx.core as mx
 import numpy as np
 
+from promptstore.bench._fixture import HYBRID, fixture_model
 from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.jobs.prefill import load_model
 from promptstore.ssm import adapt, make_prompt_cache
 from promptstore.ssm.speculative import SpeculativeStats, speculative_generate_step
 
-__all__ = ["FIXTURE_HYBRID", "draft_cases", "one_at_a_time", "smaller_draft"]
+__all__ = ["draft_cases", "one_at_a_time", "smaller_draft"]
 
-FIXTURE_HYBRID = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "qwen3_next"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
@@ -207,7 +207,7 @@ def draft_cases(
     repeats: int,
     max_tokens: int,
     *,
-    model_dir: Path = FIXTURE_HYBRID,
+    model_dir: Optional[Path] = None,
     num_draft_tokens: int = 3,
     prompt_tokens: int = 32,
     draft_layers: int = 2,
@@ -220,7 +220,8 @@ def draft_cases(
     Args:
         repeats: timed runs of each variant (median reported).
         max_tokens: tokens generated per run.
-        model_dir: the target model (default: the fixture hybrid, qwen3_next).
+        model_dir: the target model (default: the fixture hybrid, qwen3_next:
+            the repository's, else one built into the scratch folder).
         num_draft_tokens: tokens drafted per verify round.
         prompt_tokens: length of the (random, seeded) prompt.
         draft_layers: layers of the smaller draft.
@@ -246,9 +247,9 @@ def draft_cases(
     if repeats < 1 or max_tokens < 1 or prompt_tokens < 2 or num_draft_tokens < 1 or concurrent < 0:
         raise InvalidInput("draft_cases needs repeats >= 1, max_tokens >= 1, prompt_tokens >= 2, "
                            "num_draft_tokens >= 1, concurrent >= 0")
-    model_dir = Path(model_dir)
     tmp = Path(tempfile.mkdtemp(prefix="promptstore-draft-", dir=workdir))
     try:
+        model_dir = fixture_model(HYBRID, tmp) if model_dir is None else Path(model_dir)
         small_dir = smaller_draft(model_dir, tmp / "draft", draft_layers)
         plain, tokenizer = load_model(str(model_dir))
         target, _ = load_model(str(model_dir))

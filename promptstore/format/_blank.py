@@ -19,16 +19,30 @@ whose balloon reports free 2 MiB blocks back to the host) memory freed a
 few seconds earlier is gone from the host, every huge page then costs host
 faults, and the same restore becomes several times slower. The figures are
 in docs/performance.md.
+
+On mlx's CUDA backend the loader works differently: it allocates each
+tensor in device memory and copies what ``readinto`` wrote into a host
+buffer of its own across to it. A buffer from :func:`blank` that the host
+then writes moves to host memory first (mlx migrates a device buffer the
+CPU touches) and back to the device at its first use, and host writes into
+it fault page by page: a 4K-token restore ran at half the speed of mlx-lm's
+loader there (docs/gpu.md). :func:`filled` therefore lets the caller write
+each tensor's bytes inside ``readinto`` instead, into whatever memory the
+loader hands over; :func:`staged` says which of the two a restore uses.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import struct
-from typing import BinaryIO, Dict, List, Sequence, cast
+from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, cast
 
 import mlx.core as mx
+import numpy as np
+
+from promptstore._backend import backend
 
 
 class _Unwritten(io.RawIOBase):
@@ -62,20 +76,96 @@ class _Unwritten(io.RawIOBase):
         return n
 
 
-def blank(sizes: Sequence[int]) -> List[mx.array]:
-    """One evaluated, unwritten uint8 mlx array per size (each > 0)."""
-    if not sizes:
-        return []
+def staged() -> bool:
+    """Whether restores write each buffer inside mlx's loader (:func:`filled`)
+    rather than after it (:func:`blank`): on the CUDA backend, or where
+    ``PROMPTSTORE_RESTORE`` says ``staged`` (``direct`` forces the other)."""
+    mode = os.environ.get("PROMPTSTORE_RESTORE", "").strip().lower()
+    if mode in ("staged", "direct"):
+        return mode == "staged"
+    return backend() == "cuda"
+
+
+def _header(sizes: Sequence[int]) -> bytes:
+    """The head of a safetensors file of one uint8 tensor per size, back to back."""
     header, offset = {}, 0
     for i, n in enumerate(sizes):
         header[str(i)] = {"dtype": "U8", "shape": [int(n)], "data_offsets": [offset, offset + int(n)]}
         offset += int(n)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    head = struct.pack("<Q", len(text)) + text
+    return struct.pack("<Q", len(text)) + text
+
+
+def _load(source: _Unwritten, count: int) -> List[mx.array]:
     # mx.load reads any binary file object; a safetensors file gives a dict.
-    source = cast(BinaryIO, _Unwritten(head, len(head) + offset))
-    loaded = cast(Dict[str, mx.array], mx.load(source, format="safetensors"))
-    out = [loaded[str(i)] for i in range(len(sizes))]
+    loaded = cast(Dict[str, mx.array], mx.load(cast(BinaryIO, source), format="safetensors"))
+    out = [loaded[str(i)] for i in range(count)]
     mx.eval(out)
+    return out
+
+
+def blank(sizes: Sequence[int]) -> List[mx.array]:
+    """One evaluated, unwritten uint8 mlx array per size (each > 0)."""
+    if not sizes:
+        return []
+    head = _header(sizes)
+    return _load(_Unwritten(head, len(head) + sum(int(n) for n in sizes)), len(sizes))
+
+
+class _Filling(_Unwritten):
+    """A safetensors file whose tensor ``i`` is written by ``fill(i, view)``."""
+
+    def __init__(self, head: bytes, sizes: Sequence[int], fill: Callable[[int, memoryview], None]):
+        super().__init__(head, len(head) + sum(int(n) for n in sizes))
+        self.fill = fill
+        self.starts = [0]
+        for n in sizes:
+            self.starts.append(self.starts[-1] + int(n))
+        self.error: Optional[BaseException] = None
+        self.parts: Dict[int, np.ndarray] = {}  # tensors the loader asked for in pieces
+
+    def readinto(self, b) -> int:  # called from an mlx thread: must not raise
+        m = memoryview(b).cast("B")
+        pos = self.pos  # another loader thread may seek while this one fills
+        if pos < len(self.head):
+            return super().readinto(b)
+        try:
+            if self.error is None:
+                self._data(pos - len(self.head), m)
+        except BaseException as err:  # noqa: BLE001 - raised by filled() once the loader is done
+            self.error = err
+        self.pos = pos + m.nbytes
+        return m.nbytes
+
+    def _data(self, lo: int, m: memoryview) -> None:
+        hi = lo + m.nbytes
+        i = max(0, np.searchsorted(self.starts, lo, side="right") - 1)
+        while i < len(self.starts) - 1 and self.starts[i] < hi:
+            start, end = self.starts[i], self.starts[i + 1]
+            if lo <= start and end <= hi:  # the usual call: one whole tensor
+                self.fill(int(i), m[start - lo : end - lo])
+            else:  # a piece: fill the whole tensor aside once, copy the piece
+                if i not in self.parts:
+                    whole = np.empty(end - start, dtype=np.uint8)
+                    self.fill(int(i), memoryview(whole.data))
+                    self.parts[i] = whole
+                a, z = max(lo, start), min(hi, end)
+                np.frombuffer(m, dtype=np.uint8)[a - lo : z - lo] = self.parts[i][a - start : z - start]
+            i += 1
+
+
+def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> List[mx.array]:
+    """One evaluated uint8 mlx array per size (each > 0), whose bytes
+    ``fill(i, view)`` writes into ``view`` (writable, ``sizes[i]`` bytes),
+    from inside mlx's loader: on the CUDA backend into the loader's host
+    buffer, which it then copies to the device. ``fill`` runs on an mlx
+    thread, one tensor at a time; the first exception it raises is raised
+    here, once the loader is done (the arrays are then not returned)."""
+    if not sizes:
+        return []
+    source = _Filling(_header(sizes), sizes, fill)
+    out = _load(source, len(sizes))
+    if source.error is not None:
+        raise source.error
     return out

@@ -187,6 +187,9 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     offsets into such addresses ran at less than half the speed of a copy
     between equally aligned addresses (docs/performance.md). Each array therefore gets
     64 bytes of slack in its buffer and is a view at the matching offset.
+    Where restores are staged (the CUDA backend, :func:`_blank.staged`), each
+    buffer is filled the same way inside mlx's loader instead, into the host
+    buffer it copies to the device; the alignment is then the loader's.
     Raises CorruptEntry on a checksum mismatch or a file too short,
     StoreError when reading fails.
     """
@@ -208,23 +211,43 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
             sizes.append(0)
         place[i] = (slab, start)
         sizes[slab] = start + room
-    bufs = _blank.blank(sizes)
-    hosts = [np.asarray(b) for b in bufs]
-    fresh = [not _fill.resident(h) for h in hosts]
-    jobs, starts = [], {}
-    for i, (b, base) in place.items():
-        rec = recs[i][1]
-        segments, apos = [], 0
+    segments: Dict[int, List[Tuple[int, int]]] = {}  # array -> its (file offset, length) pieces
+    for i in place:
+        rec, pieces, apos = recs[i][1], [], 0
         while apos < rec.nbytes:
             ci, cpos = divmod(rec.offset + apos, CHUNK)
             take = min(rec.nbytes - apos, CHUNK - cpos)
-            segments.append((offsets[ci] + cpos, take))
+            pieces.append((offsets[ci] + cpos, take))
             apos += take
-        start = base + (segments[0][0] - hosts[b].ctypes.data - base) % _ALIGN
-        starts[i] = start
-        jobs.append((hosts[b][start : start + rec.nbytes], segments, fresh[b]))
+        segments[i] = pieces
+    starts: Dict[int, int] = {}
+    digests: Dict[int, int] = {}
     try:
-        digests = dict(zip(place, _fill.fill(fd, jobs)))
+        if _blank.staged():  # written inside mlx's loader, a buffer at a time (see _blank)
+            members: Dict[int, List[int]] = {}
+            for i, (b, base) in place.items():
+                members.setdefault(b, []).append(i)
+                starts[i] = base
+
+            def fill(b: int, view: memoryview) -> None:
+                host = np.frombuffer(view, dtype=np.uint8)
+                ks = members.get(b, [])
+                fresh = not _fill.resident(host)
+                jobs = [(host[starts[i] : starts[i] + recs[i][1].nbytes], segments[i], fresh) for i in ks]
+                digests.update(zip(ks, _fill.fill(fd, jobs)))
+
+            bufs = _blank.filled(sizes, fill)
+        else:
+            bufs = _blank.blank(sizes)
+            hosts = [np.asarray(b) for b in bufs]
+            fresh = [not _fill.resident(h) for h in hosts]
+            jobs = []
+            for i, (b, base) in place.items():
+                nbytes = recs[i][1].nbytes
+                start = base + (segments[i][0][0] - hosts[b].ctypes.data - base) % _ALIGN
+                starts[i] = start
+                jobs.append((hosts[b][start : start + nbytes], segments[i], fresh[b]))
+            digests = dict(zip(place, _fill.fill(fd, jobs)))
     except _fill.ShortRead as err:
         raise CorruptEntry(f"{where}: {err}") from err
     except OSError as err:

@@ -248,17 +248,15 @@ def assemble(
             start = end
         found.append(raws)
     small = fd is None and sum(rec.nbytes for _, rec in parted) < _SMALL
-    # A small restore fills numpy buffers and copies them into mlx at the end:
-    # mlx's loader (_blank) costs more than copying a few hundred kB again.
-    dests: List[Any] = [np.empty(rec.nbytes, np.uint8) for _, rec in parted] if small else _blank.blank([rec.nbytes for _, rec in parted])
-    groups: List[Tuple[np.ndarray, List[_Block]]] = []
-    for i, ((li, rec), raws) in enumerate(zip(parted, found)):
+
+    def blocks_of(i: int, whole: np.ndarray) -> List[_Block]:
+        """Array ``i``'s blocks into ``whole`` (its bytes): those in the map
+        copied here, those in files returned to be read."""
+        (li, rec), raws = parted[i], found[i]
         layer = man.layers[li]
         size = _entry.DTYPES[rec.dtype].size
-        whole = np.asarray(dests[i])
         rows = whole.reshape(-1, rec.shape[-2], rec.shape[-1] * size)
         from_files: List[_Block] = []
-        groups.append((whole, from_files))
         start = 0
         for key, end, raw in zip(rec.parts or (), man.bounds, raws):
             t = _Block(key, layer.kind, layer.version, rec.dtype, _blocks.block_shape(rec.shape, start, end), size, raw, rows[:, start:end, :])
@@ -272,8 +270,28 @@ def assemble(
             t.rows[...] = np.frombuffer(t.raw, dtype=np.uint8).reshape(t.rows.shape)
             if release is not None:
                 release(t.raw)
-    if any(tasks for _, tasks in groups):
-        _read_blocks([g for g in groups if g[1]], where, threads)
+        return from_files
+
+    sizes = [rec.nbytes for _, rec in parted]
+    dests: List[Any]
+    if not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
+
+        def fill(i: int, view: memoryview) -> None:
+            whole = np.frombuffer(view, dtype=np.uint8)
+            if threads and not _fill.resident(whole):  # the loader's buffer: populated at once, not by each lane
+                _fill.populate(whole)
+            tasks = blocks_of(i, whole)
+            if tasks:  # a lane per block: this array's blocks are read at once
+                _read_blocks([(whole, [t]) for t in tasks], where, threads, populate=False)
+
+        dests = _blank.filled(sizes, fill)
+    else:
+        # A small restore fills numpy buffers and copies them into mlx at the end:
+        # mlx's loader (_blank) costs more than copying a few hundred kB again.
+        dests = [np.empty(n, np.uint8) for n in sizes] if small else _blank.blank(sizes)
+        groups = [(whole, blocks_of(i, whole)) for i, whole in enumerate(np.asarray(d) for d in dests)]
+        if any(tasks for _, tasks in groups):
+            _read_blocks([g for g in groups if g[1]], where, threads)
     for (li, rec), dest in zip(parted, dests):
         arr = mx.array(dest) if small else dest
         arrays[li][rec.name] = arr.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
@@ -313,14 +331,15 @@ def _read_one(t: _Block) -> Optional[str]:
     return None
 
 
-def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, threads: bool) -> None:
+def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, threads: bool, populate: bool = True) -> None:
     """Read each block from its file into its destination rows and check it
     against its address (``_read_one``). ``groups``: each destination (its
     bytes) with its blocks read from files; a destination not yet resident
-    is populated first, in one call (as ``_fill`` does for payloads). With
-    ``threads``, on the fill threads (one lane per thread, balanced by bytes)."""
+    is populated first, in one call (as ``_fill`` does for payloads), unless
+    ``populate`` is False. With ``threads``, on the fill threads (one lane
+    per thread, balanced by the bytes of the blocks)."""
 
-    fresh = {id(dest) for dest, _ in groups if threads and not _fill.resident(dest)}  # mincore here, not on the threads
+    fresh = {id(dest) for dest, _ in groups if populate and threads and not _fill.resident(dest)}  # mincore here, not on the threads
 
     def run(lane: Sequence[Tuple[np.ndarray, List[_Block]]]) -> Optional[str]:
         for dest, tasks in lane:
@@ -338,10 +357,10 @@ def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, 
         else:
             lanes: List[List[Tuple[np.ndarray, List[_Block]]]] = [[] for _ in range(_fill.WORKERS)]
             loads = [0] * _fill.WORKERS
-            for g in sorted(groups, key=lambda g: -g[0].nbytes):
+            for g, nbytes in sorted(((g, sum(t.rows.nbytes for t in g[1])) for g in groups), key=lambda gb: -gb[1]):
                 light = loads.index(min(loads))
                 lanes[light].append(g)
-                loads[light] += g[0].nbytes
+                loads[light] += nbytes
             futures = [_fill.submit(run, lane) for lane in lanes if lane]
             wait(futures)  # no thread may still write into the destination when this returns or raises
             errors = [f.result() for f in futures]

@@ -1,0 +1,193 @@
+"""Staged restores: each buffer written inside mlx's loader (the CUDA
+backend's path, forced here with ``PROMPTSTORE_RESTORE=staged``).
+
+On the CPU the loader hands ``readinto`` the array's own memory, so these
+tests run the staged code for real (parallel reads, checksums, block
+addresses, errors), bit-exact against what was stored.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from _raw import blocks_of, flip_block
+from _workers import MODEL, same_cache
+from promptstore import CorruptEntry, PromptStore
+from promptstore.format import _blank, _blobs
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    """Every large restore staged; the direct path's allocator refuses, so
+    nothing falls back to it unseen."""
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
+
+    def refuse(sizes):
+        if not sizes:
+            return []
+        raise AssertionError(f"a staged restore allocated unwritten buffers {list(sizes)[:4]}")
+
+    monkeypatch.setattr(_blank, "blank", refuse)
+
+
+def _cache(seed: int, tokens: int = 1024, layers: int = 4):
+    """About 17 MB: KV layers (shared blocks) and a recurrent layer (the payload)."""
+    cache = []
+    for i in range(layers):
+        layer = KVCache()
+        k = mx.random.normal((1, 8, tokens, 128), key=mx.random.key(seed * 1000 + i)).astype(mx.float16)
+        layer.update_and_fetch(k, k * 2)
+        cache.append(layer)
+    rec = ArraysCache(2)
+    rec[0] = mx.random.normal((1, 3, 4096), key=mx.random.key(seed * 1000 + 100)).astype(mx.bfloat16)
+    rec[1] = mx.random.normal((1, 16, 128, 256), key=mx.random.key(seed * 1000 + 101))
+    cache.append(rec)
+    mx.eval([a for c in cache for a in c.state])
+    return cache
+
+
+def test_staged_and_direct_restores_are_identical(tmp_path, monkeypatch):
+    cache = _cache(1)
+    tokens = list(range(3, 1027))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        monkeypatch.setenv("PROMPTSTORE_RESTORE", "direct")
+        direct = store.get(MODEL, tokens)
+        monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
+        calls = []
+        real = _blank.filled
+        monkeypatch.setattr(_blank, "filled", lambda sizes, fill: calls.append(len(sizes)) or real(sizes, fill))
+        got = store.get(MODEL, tokens)
+    assert calls, "the get did not go through the loader"
+    assert same_cache(got, cache) and same_cache(direct, cache)
+
+
+@pytest.mark.parametrize("layout", ["blocks+blob", "blob", "lmdb"])
+def test_staged_gets_are_bit_exact(tmp_path, monkeypatch, staged, layout):
+    """Shared blocks (KV) with the payload in a blob file; everything in a
+    blob file; the payload in LMDB, read with pread from the data file."""
+    if layout != "blocks+blob":
+        monkeypatch.setenv("PROMPTSTORE_SHARED_BLOCKS", "0")
+    if layout == "lmdb":
+        monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 1 << 40)
+    caches = [_cache(seed) for seed in (2, 3)]
+    with PromptStore(tmp_path / "s") as store:
+        for i, cache in enumerate(caches):
+            store.put(MODEL, list(range(3 + i, 1027 + i)), cache)
+        has_blobs = bool(os.listdir(tmp_path / "s" / "blobs")) if (tmp_path / "s" / "blobs").is_dir() else False
+        assert has_blobs == (layout != "lmdb")
+        for i, cache in enumerate(caches):
+            assert same_cache(store.get(MODEL, list(range(3 + i, 1027 + i))), cache)
+
+
+def test_a_damaged_block_fails_the_staged_get_and_loses_nothing_else(tmp_path, staged):
+    a, b = _cache(4), _cache(5)
+    ta, tb = list(range(3, 1027)), list(range(5, 1029))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, ta, a)
+        (ida,) = [e.id for e in store.entries()]
+        store.put(MODEL, tb, b)
+        (idb,) = [e.id for e in store.entries() if e.id != ida]
+        assert not set(blocks_of(store, ida)) & set(blocks_of(store, idb))
+        flip_block(store, blocks_of(store, ida)[3])
+        with pytest.raises(CorruptEntry, match="does not match its address"):
+            store.get(MODEL, ta)
+        assert same_cache(store.get(MODEL, tb), b)
+        assert store.exists(MODEL, ta)  # a get reports damage; it deletes nothing
+
+
+def test_a_damaged_payload_fails_the_staged_get(tmp_path, monkeypatch, staged):
+    monkeypatch.setenv("PROMPTSTORE_SHARED_BLOCKS", "0")
+    cache = _cache(6)
+    tokens = list(range(3, 1027))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        (blob,) = (tmp_path / "s" / "blobs").iterdir()
+        with open(blob, "r+b") as f:  # a bit in the middle of the payload
+            f.seek(os.path.getsize(blob) // 2)
+            byte = f.read(1)
+            f.seek(-1, io.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x08]))
+        with pytest.raises(CorruptEntry, match="checksum mismatch"):
+            store.get(MODEL, tokens)
+        with pytest.raises(CorruptEntry):  # and again: nothing was cached or half-restored
+            store.get(MODEL, tokens)
+
+
+def test_filled_writes_each_tensor_with_fill_and_raises_its_error():
+    sizes = [5, 1 << 20, 3, 70_001]
+    seen = []
+
+    def fill(i, view):
+        seen.append((i, view.nbytes))
+        np.frombuffer(view, dtype=np.uint8)[:] = np.arange(view.nbytes, dtype=np.uint64) * (i + 1) % 251
+
+    out = _blank.filled(sizes, fill)
+    assert sorted(seen) == [(i, n) for i, n in enumerate(sizes)]
+    for i, (a, n) in enumerate(zip(out, sizes)):
+        assert a.dtype == mx.uint8 and a.shape == (n,)
+        assert np.array_equal(np.asarray(a), (np.arange(n, dtype=np.uint64) * (i + 1) % 251).astype(np.uint8))
+
+    def failing(i, view):
+        if i == 2:
+            raise OSError(5, "Input/output error")
+        fill(i, view)
+
+    with pytest.raises(OSError, match="Input/output error"):
+        _blank.filled(sizes, failing)
+
+
+def test_a_loader_that_reads_in_pieces_gets_every_byte_once_filled():
+    """Reads that cut across tensors (a loader reading in chunks of its own
+    size) get the same bytes, and each tensor is filled once."""
+    sizes = [10, 4096, 7, 50_000]
+    calls = []
+
+    def fill(i, view):
+        calls.append(i)
+        np.frombuffer(view, dtype=np.uint8)[:] = (np.arange(view.nbytes) + 17 * i) % 256
+
+    head = _blank._header(sizes)
+    source = _blank._Filling(head, sizes, fill)
+    source.seek(len(head))
+    got = bytearray()
+    for step in (3, 11, 5000, 1, 999_999):
+        buf = bytearray(min(step, sum(sizes) - len(got)))
+        if not buf:
+            break
+        assert source.readinto(buf) == len(buf)
+        got += buf
+    while len(got) < sum(sizes):
+        buf = bytearray(min(4093, sum(sizes) - len(got)))
+        source.readinto(buf)
+        got += buf
+    want = b"".join(bytes(((np.arange(n) + 17 * i) % 256).astype(np.uint8)) for i, n in enumerate(sizes))
+    assert source.error is None and bytes(got) == want
+    assert sorted(calls) == [0, 1, 2, 3]
+
+
+def test_staged_is_the_cuda_default_and_the_variable_overrides(monkeypatch):
+    monkeypatch.delenv("PROMPTSTORE_RESTORE", raising=False)
+    assert _blank.staged() == (_blank.backend() == "cuda")
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
+    assert _blank.staged()
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "Direct")
+    assert not _blank.staged()
+
+
+def test_small_restores_do_not_stage(tmp_path, staged):
+    """Under 1 MiB of shared arrays and 8 MiB in all: copied out of the map, no loader call."""
+    layer = KVCache()
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(9)).astype(mx.float16)
+    layer.update_and_fetch(k, k)
+    tokens = list(range(3, 303))
+    with PromptStore(Path(tmp_path) / "s") as store:
+        store.put(MODEL, tokens, [layer])
+        assert same_cache(store.get(MODEL, tokens), [layer])
