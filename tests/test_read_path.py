@@ -103,7 +103,9 @@ def test_bytes_damaged_on_disk_are_caught_after_offsets_are_remembered(entry):
         store.get(MODEL, tokens)
 
 
-def test_pread_and_mapped_copy_give_the_same_arrays(entry):
+@pytest.mark.parametrize("restore", ["direct", "staged"])  # written after mlx's loader, or inside it (the CUDA way)
+def test_pread_and_mapped_copy_give_the_same_arrays(entry, monkeypatch, restore):
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", restore)
     store, cache, tokens, ekey = entry
     with store.env.read(buffers=True) as txn:
         man = store._manifest(txn, ekey)
@@ -112,10 +114,12 @@ def test_pread_and_mapped_copy_give_the_same_arrays(entry):
         via_file = _payload.read_file(man, data_file.fd, [data_file.offset(b) for b in bufs], "t")
         via_map = _payload.read_mapped(man, bufs, "t")
         mx.eval([a for d in via_file + via_map for a in d.values()])
+    assert any(_payload._spans(rec) for layer in man.layers for rec in layer.arrays)  # the mapped copy's loader path
     for x, y in zip(via_file, via_map, strict=True):
         assert x.keys() == y.keys()
         for name in x:
             assert bits_equal(x[name], y[name]).item()
+    _same(cache, store.get(MODEL, tokens))
 
 
 def test_a_short_file_is_a_corrupt_entry(entry):

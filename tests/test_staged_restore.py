@@ -18,6 +18,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from _raw import blocks_of, flip_block
+from _redis import redis_binary, redis_root, redis_single  # noqa: F401
 from _workers import MODEL, same_cache
 from promptstore import CorruptEntry, PromptStore
 from promptstore.format import _blank, _blobs
@@ -191,3 +192,20 @@ def test_small_restores_do_not_stage(tmp_path, staged):
     with PromptStore(Path(tmp_path) / "s") as store:
         store.put(MODEL, tokens, [layer])
         assert same_cache(store.get(MODEL, tokens), [layer])
+
+
+def test_a_remote_fetch_is_staged_and_bit_exact(tmp_path, monkeypatch, staged, redis_single):
+    """A second store fetches the entry from the remote tier: its blocks are
+    checked and written inside mlx's loader."""
+    cache = _cache(7)
+    tokens = list(range(3, 1027))
+    url = f"{redis_single.url}/0?ns=staged"
+    with PromptStore(tmp_path / "a", remote=url) as a, PromptStore(tmp_path / "b", remote=url) as b:
+        a.put(MODEL, tokens, cache)
+        assert a.remote.flush(10)
+        calls = []
+        real = _blank.filled
+        monkeypatch.setattr(_blank, "filled", lambda sizes, fill: calls.append(len(sizes)) or real(sizes, fill))
+        got = b.get(MODEL, tokens)
+        assert b.remote.stats()["hits"] == 1 and calls  # fetched, through the loader
+        assert got is not None and same_cache(got, cache)

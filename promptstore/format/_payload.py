@@ -276,10 +276,11 @@ def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Ca
     recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
     srcs = [np.frombuffer(buf, dtype=np.uint8) for buf in bufs]
     spanning = [i for i, (_, rec) in enumerate(recs) if _spans(rec)]
-    dests = dict(zip(spanning, _blank.blank([recs[i][1].nbytes for i in spanning])))
+    staged = bool(spanning) and _blank.staged()  # then written inside mlx's loader, after the rest
+    dests = {} if staged else dict(zip(spanning, _blank.blank([recs[i][1].nbytes for i in spanning])))
     flat: List[Optional[mx.array]] = [None] * len(recs)
     for i, (li, rec) in enumerate(recs):
-        if i in dests:
+        if i in spanning:
             continue
         if not rec.nbytes:
             flat[i] = _empty(rec)
@@ -291,10 +292,20 @@ def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Ca
         if release is not None:
             release(bufs[ci][pos : pos + rec.nbytes])
     copied = _Copied(bufs, release)
-    for i in spanning:
+    digests: Dict[int, int] = {}
+
+    def fill(k: int, view: memoryview) -> None:
+        rec = recs[spanning[k]][1]
+        digests[spanning[k]] = _copy_pieces(srcs, rec.offset, rec.nbytes, np.frombuffer(view, dtype=np.uint8), copied)
+
+    if staged:
+        dests = dict(zip(spanning, _blank.filled([recs[i][1].nbytes for i in spanning], fill)))
+    for k, i in enumerate(spanning):
         li, rec = recs[i]
         dest = dests.pop(i)
-        _verify(_copy_pieces(srcs, rec.offset, rec.nbytes, np.asarray(dest), copied), li, rec, where)
+        if not staged:
+            fill(k, np.asarray(dest).data)
+        _verify(digests[i], li, rec, where)
         flat[i] = dest.view(DTYPES[rec.dtype]).reshape(rec.shape)
     copied.upto(man.payload + CHUNK)
     return _by_layer(man, flat)  # type: ignore[arg-type]

@@ -343,33 +343,49 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str) -> List[
             if got != a.nbytes:
                 raise RemoteCorrupt(f"{where} layer {li}: array {a.name!r} has {got} bytes in its blocks, {a.nbytes} claimed")
     sizes = [a.nbytes for layer in man.layers for a in layer.arrays]
-    # Large entries go straight into fresh mlx buffers (one copy); small ones
-    # through numpy (mlx's loader costs more than copying them again).
-    fresh = iter(_blank.blank(sizes)) if sum(sizes) >= _SMALL else None
+    flat = [(li, layer, a) for li, layer in enumerate(man.layers) for a in layer.arrays]
+
+    def fill(k: int, host: np.ndarray) -> None:
+        """Array ``k``'s bytes from its blocks (each checked) into ``host``."""
+        li, layer, a = flat[k]
+        if a.cut:
+            lead = math.prod(a.shape[:-2])
+            grid = host.reshape(lead, n, -1)
+        pos = 0
+        for idx, (addr, size) in enumerate(a.parts):
+            data = block(addr)
+            check_block(layer, a, idx, man.bounds, data, f"{where} layer {li}")
+            src = np.frombuffer(data, dtype=np.uint8)
+            if a.cut:
+                s, e = starts[idx], man.bounds[idx]
+                grid[:, s:e, :] = src.reshape(lead, e - s, -1)
+            else:
+                host[pos : pos + size] = src
+                pos += size
+
+    # Large entries go straight into fresh mlx buffers (one copy): written
+    # inside mlx's loader where restores are staged (the CUDA backend), else
+    # after it; small ones through numpy (mlx's loader costs more than
+    # copying them again).
+    large = sum(sizes) >= _SMALL and all(sizes)
+    dests: List[Any]
+    if large and _blank.staged():
+        dests = _blank.filled(sizes, lambda k, view: fill(k, np.frombuffer(view, dtype=np.uint8)))
+    else:
+        dests = _blank.blank(sizes) if large else [np.empty(size, dtype=np.uint8) for size in sizes]
+        for k, dest in enumerate(dests):
+            host = np.asarray(dest)
+            if large and not _fill.resident(host):
+                _fill.populate(host)  # fault its pages in at once, not one at a time inside the copies
+            fill(k, host)
     cache = []
+    made = iter(dests)
     for li, layer in enumerate(man.layers):
         lw = f"{where} layer {li}"
         arrays: Dict[str, mx.array] = {}
         for a in layer.arrays:
-            dest = next(fresh) if fresh is not None else np.empty(a.nbytes, dtype=np.uint8)
-            host = np.asarray(dest)
-            if fresh is not None and not _fill.resident(host):
-                _fill.populate(host)  # fault its pages in at once, not one at a time inside the copies
-            if a.cut:
-                lead = math.prod(a.shape[:-2])
-                grid = host.reshape(lead, n, -1)
-            pos = 0
-            for idx, (addr, size) in enumerate(a.parts):
-                data = block(addr)
-                check_block(layer, a, idx, man.bounds, data, lw)
-                src = np.frombuffer(data, dtype=np.uint8)
-                if a.cut:
-                    s, e = starts[idx], man.bounds[idx]
-                    grid[:, s:e, :] = src.reshape(lead, e - s, -1)
-                else:
-                    host[pos : pos + size] = src
-                    pos += size
-            whole = dest if fresh is not None else mx.array(host)
+            dest = next(made)
+            whole = dest if large else mx.array(dest)
             arrays[a.name] = whole.view(DTYPES[a.dtype]).reshape(a.shape)
         mx.eval(list(arrays.values()))
         try:
