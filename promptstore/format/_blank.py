@@ -169,3 +169,17 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
     if source.error is not None:
         raise source.error
     return out
+
+
+def written(sizes: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> List[mx.array]:
+    """One evaluated uint8 mlx array per size (each > 0), whose bytes
+    ``fill(i, host)`` writes into ``host`` (a uint8 numpy view of
+    ``sizes[i]`` bytes), one array at a time: inside mlx's loader where
+    restores are staged (:func:`filled`), else into fresh buffers after it
+    (:func:`blank`)."""
+    if staged():
+        return filled(sizes, lambda i, view: fill(i, np.frombuffer(view, dtype=np.uint8)))
+    out = blank(sizes)
+    for i, buf in enumerate(out):
+        fill(i, np.asarray(buf))
+    return out

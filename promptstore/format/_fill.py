@@ -388,6 +388,18 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]], fresh: 
         return int(_XXH3.XXH3_64bits_digest(state))
 
 
+def balance(sizes: Sequence[int]) -> List[List[int]]:
+    """Indexes of ``sizes`` in :data:`WORKERS` lanes of about equal total
+    size: largest first, each to the lane with the least so far."""
+    lanes: List[List[int]] = [[] for _ in range(WORKERS)]
+    loads = [0] * WORKERS
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        light = loads.index(min(loads))
+        lanes[light].append(k)
+        loads[light] += sizes[k]
+    return lanes
+
+
 def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]], bool]]) -> List[int]:
     """Run every ``(host, segments, fresh)`` job (see :func:`_job`) on the
     pool; return their digests in order. Returns (or raises the first
@@ -399,12 +411,7 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]], bo
     restore has about a hundred arrays, and handing them out one by one
     costs a pool round trip each (measured in docs/performance.md).
     """
-    lanes: List[List[int]] = [[] for _ in range(WORKERS)]
-    loads = [0] * WORKERS
-    for k in sorted(range(len(jobs)), key=lambda k: -jobs[k][0].nbytes):
-        light = loads.index(min(loads))
-        lanes[light].append(k)
-        loads[light] += jobs[k][0].nbytes
+    lanes = balance([host.nbytes for host, _, _ in jobs])
     digests: List[int] = [0] * len(jobs)
 
     def run(lane: List[int]) -> None:

@@ -276,11 +276,10 @@ def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Ca
     recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
     srcs = [np.frombuffer(buf, dtype=np.uint8) for buf in bufs]
     spanning = [i for i, (_, rec) in enumerate(recs) if _spans(rec)]
-    staged = bool(spanning) and _blank.staged()  # then written inside mlx's loader, after the rest
-    dests = {} if staged else dict(zip(spanning, _blank.blank([recs[i][1].nbytes for i in spanning])))
+    spans = set(spanning)
     flat: List[Optional[mx.array]] = [None] * len(recs)
     for i, (li, rec) in enumerate(recs):
-        if i in spanning:
+        if i in spans:
             continue
         if not rec.nbytes:
             flat[i] = _empty(rec)
@@ -294,17 +293,13 @@ def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Ca
     copied = _Copied(bufs, release)
     digests: Dict[int, int] = {}
 
-    def fill(k: int, view: memoryview) -> None:
+    def fill(k: int, host: np.ndarray) -> None:
         rec = recs[spanning[k]][1]
-        digests[spanning[k]] = _copy_pieces(srcs, rec.offset, rec.nbytes, np.frombuffer(view, dtype=np.uint8), copied)
+        digests[spanning[k]] = _copy_pieces(srcs, rec.offset, rec.nbytes, host, copied)
 
-    if staged:
-        dests = dict(zip(spanning, _blank.filled([recs[i][1].nbytes for i in spanning], fill)))
-    for k, i in enumerate(spanning):
+    made = _blank.written([recs[i][1].nbytes for i in spanning], fill)
+    for i, dest in zip(spanning, made):
         li, rec = recs[i]
-        dest = dests.pop(i)
-        if not staged:
-            fill(k, np.asarray(dest).data)
         _verify(digests[i], li, rec, where)
         flat[i] = dest.view(DTYPES[rec.dtype]).reshape(rec.shape)
     copied.upto(man.payload + CHUNK)

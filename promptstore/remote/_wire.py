@@ -368,16 +368,19 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str) -> List[
     # after it; small ones through numpy (mlx's loader costs more than
     # copying them again).
     large = sum(sizes) >= _SMALL and all(sizes)
+
+    def fill_fresh(k: int, host: np.ndarray) -> None:
+        if not _fill.resident(host):
+            _fill.populate(host)  # fault its pages in at once, not one at a time inside the copies
+        fill(k, host)
+
     dests: List[Any]
-    if large and _blank.staged():
-        dests = _blank.filled(sizes, lambda k, view: fill(k, np.frombuffer(view, dtype=np.uint8)))
+    if large:
+        dests = _blank.written(sizes, fill_fresh)
     else:
-        dests = _blank.blank(sizes) if large else [np.empty(size, dtype=np.uint8) for size in sizes]
+        dests = [np.empty(size, dtype=np.uint8) for size in sizes]
         for k, dest in enumerate(dests):
-            host = np.asarray(dest)
-            if large and not _fill.resident(host):
-                _fill.populate(host)  # fault its pages in at once, not one at a time inside the copies
-            fill(k, host)
+            fill(k, dest)
     cache = []
     made = iter(dests)
     for li, layer in enumerate(man.layers):

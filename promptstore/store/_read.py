@@ -355,13 +355,8 @@ def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, 
         if not threads:
             errors = [run(groups)]
         else:
-            lanes: List[List[Tuple[np.ndarray, List[_Block]]]] = [[] for _ in range(_fill.WORKERS)]
-            loads = [0] * _fill.WORKERS
-            for g, nbytes in sorted(((g, sum(t.rows.nbytes for t in g[1])) for g in groups), key=lambda gb: -gb[1]):
-                light = loads.index(min(loads))
-                lanes[light].append(g)
-                loads[light] += nbytes
-            futures = [_fill.submit(run, lane) for lane in lanes if lane]
+            lanes = _fill.balance([sum(t.rows.nbytes for t in tasks) for _, tasks in groups])
+            futures = [_fill.submit(run, [groups[k] for k in lane]) for lane in lanes if lane]
             wait(futures)  # no thread may still write into the destination when this returns or raises
             errors = [f.result() for f in futures]
     except OSError as exc:
