@@ -15,24 +15,11 @@ import numpy as np
 import pytest
 
 from _workers import MODEL, make_entry, same_cache
-from test_blobs import HERE, SMALL, _files, _man
+from test_blobs import HERE, SMALL, _files, _man, payload_layout, small_blobs  # noqa: F401 (fixtures)
 from conftest import backend
 from promptstore import PromptStore
 from promptstore.format import _blobs, _fill, _pages, _payload
 from promptstore.codecs import encode_layer
-
-
-@pytest.fixture
-def small_blobs(monkeypatch):
-    monkeypatch.setattr(_blobs, "MIN_PAYLOAD", SMALL)
-
-
-@pytest.fixture(autouse=True)
-def payload_layout(monkeypatch):
-    """Blob files hold an entry's own payload, which shared blocks leave a KV
-    cache without: these tests of how a blob's bytes move write entries
-    without shared blocks (format 2), as does the process one of them starts."""
-    monkeypatch.setenv("PROMPTSTORE_SHARED_BLOCKS", "0")
 
 
 def test_restored_arrays_sit_at_their_file_alignment(tmp_path, small_blobs, monkeypatch):
