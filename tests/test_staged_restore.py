@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,11 +25,13 @@ from promptstore import CorruptEntry, PromptStore
 from promptstore.format import _blank, _blobs
 
 
-@pytest.fixture
-def staged(monkeypatch):
-    """Every large restore staged; the direct path's allocator refuses, so
-    nothing falls back to it unseen."""
-    monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
+@pytest.fixture(params=["staged", "ahead"])
+def staged(request, monkeypatch):
+    """Every large restore staged, each tensor read when mlx's loader asks
+    for it (``staged``) or read ahead of the loader (``ahead``, the CUDA
+    default); the direct path's allocator refuses, so nothing falls back
+    to it unseen."""
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", request.param)
 
     def refuse(sizes):
         if not sizes:
@@ -176,11 +179,61 @@ def test_a_loader_that_reads_in_pieces_gets_every_byte_once_filled():
 
 def test_staged_is_the_cuda_default_and_the_variable_overrides(monkeypatch):
     monkeypatch.delenv("PROMPTSTORE_RESTORE", raising=False)
-    assert _blank.staged() == (_blank.backend() == "cuda")
+    cuda = _blank.backend() == "cuda"
+    assert _blank.staged() == cuda and _blank.reads_ahead() == cuda
     monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
-    assert _blank.staged()
+    assert _blank.staged() and not _blank.reads_ahead()
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", " Ahead")
+    assert _blank.staged() and _blank.reads_ahead()
     monkeypatch.setenv("PROMPTSTORE_RESTORE", "Direct")
-    assert not _blank.staged()
+    assert not _blank.staged() and not _blank.reads_ahead()
+
+
+def test_ahead_reads_every_tensor_once_in_order_of_groups(monkeypatch):
+    """Groups of consecutive tensors of at least _GROUP bytes, read in order
+    on a thread of their own, each tensor once, every byte where it belongs."""
+    monkeypatch.setattr(_blank, "_GROUP", 1 << 16)
+    sizes = [5, 70_000, 3, 40_000, 40_000, 1 << 21, 9]
+    calls = []
+
+    def read(indices, hosts):
+        calls.append(list(indices))
+        assert threading.current_thread() is not threading.main_thread()
+        for i, host in zip(indices, hosts):
+            assert host.dtype == np.uint8 and host.nbytes == sizes[i]
+            host[:] = (np.arange(host.nbytes, dtype=np.uint64) * (i + 3) % 251).astype(np.uint8)
+
+    out = _blank.ahead(sizes, read)
+    assert calls == [[0, 1], [2, 3, 4], [5], [6]]
+    for i, (a, n) in enumerate(zip(out, sizes)):
+        assert a.dtype == mx.uint8 and a.shape == (n,)
+        assert np.array_equal(np.asarray(a), (np.arange(n, dtype=np.uint64) * (i + 3) % 251).astype(np.uint8))
+
+
+def test_ahead_raises_the_readers_error_and_reads_no_further(monkeypatch):
+    monkeypatch.setattr(_blank, "_GROUP", 1)  # a group per tensor
+    calls = []
+
+    def read(indices, hosts):
+        calls.append(indices[0])
+        if indices[0] == 1:
+            raise OSError(5, "Input/output error")
+        for host in hosts:
+            host[:] = 7
+
+    with pytest.raises(OSError, match="Input/output error"):
+        _blank.ahead([1000] * 6, read)
+    assert calls == [0, 1]
+
+
+def test_copy_in_pieces_copies_every_byte():
+    from promptstore.format import _fill
+
+    for n in (0, 1, (1 << 20) - 1, 5 * (1 << 20) + 3, 33 * (1 << 20) + 1):
+        src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros(n, dtype=np.uint8)
+        _fill.copy(dst, src)
+        assert np.array_equal(dst, src)
 
 
 def test_small_restores_do_not_stage(tmp_path, staged):

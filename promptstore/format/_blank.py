@@ -37,12 +37,14 @@ import io
 import json
 import os
 import struct
+import threading
 from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
 
 from promptstore._backend import backend
+from promptstore.format import _fill
 
 
 class _Unwritten(io.RawIOBase):
@@ -76,14 +78,26 @@ class _Unwritten(io.RawIOBase):
         return n
 
 
+def _mode() -> str:
+    mode = os.environ.get("PROMPTSTORE_RESTORE", "").strip().lower()
+    if mode in ("staged", "ahead", "direct"):
+        return mode
+    return "ahead" if backend() == "cuda" else "direct"
+
+
 def staged() -> bool:
     """Whether restores write each buffer inside mlx's loader (:func:`filled`)
     rather than after it (:func:`blank`): on the CUDA backend, or where
-    ``PROMPTSTORE_RESTORE`` says ``staged`` (``direct`` forces the other)."""
-    mode = os.environ.get("PROMPTSTORE_RESTORE", "").strip().lower()
-    if mode in ("staged", "direct"):
-        return mode == "staged"
-    return backend() == "cuda"
+    ``PROMPTSTORE_RESTORE`` says ``staged`` or ``ahead`` (``direct`` forces
+    the other)."""
+    return _mode() != "direct"
+
+
+def reads_ahead() -> bool:
+    """Whether a staged restore of many bytes reads ahead of the loader
+    (:func:`ahead`): the default where restores are staged;
+    ``PROMPTSTORE_RESTORE=staged`` reads each tensor when the loader asks."""
+    return _mode() == "ahead"
 
 
 def _header(sizes: Sequence[int]) -> bytes:
@@ -169,6 +183,74 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
     if source.error is not None:
         raise source.error
     return out
+
+
+_GROUP = 16 << 20  # ahead(): reads handed out together, at least this many bytes (or one tensor)
+
+
+def ahead(sizes: Sequence[int], read: Callable[[Sequence[int], List[np.ndarray]], None]) -> List[mx.array]:
+    """As :func:`filled`, with the reads running ahead of mlx's loader.
+
+    ``read(indices, hosts)`` writes tensors ``indices`` (consecutive, in
+    order) into ``hosts`` (uint8 numpy buffers of this function's, one per
+    index). It runs on a thread of its own, a group of at least 16 MiB at a
+    time, from the first tensor to the last, while the loader copies every
+    tensor already read into its own host buffer and from there to the
+    device. With :func:`filled` the loader waits for each tensor's reads
+    and the reads wait for each of its copies to the device; here the two
+    overlap, for one more host copy (made on several threads) and a host
+    buffer of every byte until this returns.
+
+    The first exception ``read`` raises is raised here once the loader is
+    done; the groups after it are not read.
+    """
+    if not sizes:
+        return []
+    starts = np.concatenate(([0], np.cumsum(np.asarray(sizes, dtype=np.int64))))
+    host = np.empty(int(starts[-1]), dtype=np.uint8)
+    views = [host[starts[i] : starts[i + 1]] for i in range(len(sizes))]
+    groups: List[List[int]] = [[]]
+    for i in range(len(sizes)):
+        if groups[-1] and starts[i] - starts[groups[-1][0]] >= _GROUP:
+            groups.append([])
+        groups[-1].append(i)
+    ready = [threading.Event() for _ in groups]
+    of_group = {i: g for g, members in enumerate(groups) for i in members}
+    failed: List[BaseException] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for g, members in enumerate(groups):
+                if stop.is_set():
+                    break
+                read(members, [views[i] for i in members])
+                ready[g].set()
+        except BaseException as err:  # noqa: BLE001 - raised by the loader's next fill, then here
+            failed.append(err)
+        finally:
+            for event in ready:
+                event.set()
+
+    def fill(i: int, view: memoryview) -> None:
+        ready[of_group[i]].wait()
+        if failed:
+            raise failed[0]
+        _fill.copy(np.frombuffer(view, dtype=np.uint8), views[i])
+
+    reader = threading.Thread(target=run, name="promptstore-ahead", daemon=True)
+    try:
+        reader.start()
+        started = True
+    except RuntimeError:  # no new threads (the interpreter is exiting): every read first, here
+        started = False
+        run()
+    try:
+        return filled(sizes, fill)
+    finally:
+        stop.set()
+        if started:
+            reader.join()  # nothing may still read (the caller's files, its transaction's pages) once this returns
 
 
 def written(sizes: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> List[mx.array]:

@@ -304,6 +304,43 @@ def submit(fn: Callable[..., T], *args: Any) -> "Future[T]":
         return _done(fn, *args)
 
 
+_copier: Optional[ThreadPoolExecutor] = None
+_COPY_PIECE = 1 << 20
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` (uint8, same size), in pieces of at least 1 MiB on
+    threads of their own (not the fill threads, which may be busy reading)
+    and this one: a copy into memory nobody has touched yet also faults its
+    pages in, and several threads fault them at once."""
+    n = dst.nbytes
+    parts = min(WORKERS, max(1, n // _COPY_PIECE))
+    if parts == 1:
+        np.copyto(dst, src)
+        return
+    global _copier
+    with _pool_lock:
+        if _copier is None:
+            _copier = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix="promptstore-copy")
+        pool = _copier
+    step = -(-n // parts)
+    futures: List[Future] = []
+    here = [slice(0, step)]
+    for a in range(step, n, step):
+        try:
+            futures.append(pool.submit(np.copyto, dst[a : a + step], src[a : a + step]))
+        except RuntimeError:  # the interpreter is exiting: the rest on this thread
+            here.append(slice(a, n))
+            break
+    try:
+        for piece in here:
+            np.copyto(dst[piece], src[piece])
+    finally:
+        _wait_all(futures)
+    for f in futures:
+        f.result()
+
+
 def _done(fn: Callable[..., T], *args: Any) -> "Future[T]":
     """A future of ``fn(*args)`` run here and now."""
     future: "Future[T]" = Future()
@@ -314,9 +351,9 @@ def _done(fn: Callable[..., T], *args: Any) -> "Future[T]":
     return future
 
 
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+def _forget_pool() -> None:  # a forked child has the pool objects but none of their threads
+    global _pool, _copier, _pool_lock
+    _pool, _copier, _pool_lock = None, None, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

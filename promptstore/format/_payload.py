@@ -236,7 +236,15 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
                 jobs = [(host[starts[i] : starts[i] + recs[i][1].nbytes], segments[i], fresh) for i in ks]
                 digests.update(zip(ks, _fill.fill(fd, jobs)))
 
-            bufs = _blank.filled(sizes, fill)
+            def read(indices: Sequence[int], hosts: List[np.ndarray]) -> None:
+                jobs, ks = [], []
+                for b, host in zip(indices, hosts):
+                    for i in members.get(b, []):
+                        jobs.append((host[starts[i] : starts[i] + recs[i][1].nbytes], segments[i], True))
+                        ks.append(i)
+                digests.update(zip(ks, _fill.fill(fd, jobs)))
+
+            bufs = _blank.ahead(sizes, read) if _blank.reads_ahead() else _blank.filled(sizes, fill)
         else:
             bufs = _blank.blank(sizes)
             hosts = [np.asarray(b) for b in bufs]

@@ -274,7 +274,15 @@ def assemble(
 
     sizes = [rec.nbytes for _, rec in parted]
     dests: List[Any]
-    if not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
+    if not small and _blank.staged() and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
+
+        def read(indices: Sequence[int], hosts: List[np.ndarray]) -> None:
+            groups = [(host, blocks_of(i, host)) for i, host in zip(indices, hosts)]
+            if any(tasks for _, tasks in groups):
+                _read_blocks([g for g in groups if g[1]], where, threads)
+
+        dests = _blank.ahead(sizes, read)
+    elif not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
 
         def fill(i: int, view: memoryview) -> None:
             whole = np.frombuffer(view, dtype=np.uint8)
