@@ -82,7 +82,7 @@ def _mode() -> str:
     mode = os.environ.get("PROMPTSTORE_RESTORE", "").strip().lower()
     if mode in ("staged", "ahead", "direct"):
         return mode
-    return "ahead" if backend() == "cuda" else "direct"
+    return "staged" if backend() == "cuda" else "direct"
 
 
 def staged() -> bool:
@@ -94,9 +94,11 @@ def staged() -> bool:
 
 
 def reads_ahead() -> bool:
-    """Whether a staged restore of many bytes reads ahead of the loader
-    (:func:`ahead`): the default where restores are staged;
-    ``PROMPTSTORE_RESTORE=staged`` reads each tensor when the loader asks."""
+    """Whether a staged restore reads ahead of the loader (:func:`ahead`):
+    only where ``PROMPTSTORE_RESTORE`` says ``ahead``. Built to overlap the
+    reads with the CUDA loader's copies to the device, but not yet measured
+    on a GPU (docs/gpu.md), so the CUDA default stays ``staged``: each
+    tensor read when the loader asks for it."""
     return _mode() == "ahead"
 
 
