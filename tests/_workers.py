@@ -6,6 +6,13 @@ never touches mlx or a store itself, and forks the workers (a fork costs
 far too slow). Workers open their own PromptStore after the fork, as the
 store requires. The zygote prints one JSON document on stdout.
 
+Where mlx runs on its CUDA backend, a child forked after the zygote's imports
+cannot use it (``cudaMallocManaged ... failed: initialization error``: the
+parent's imports initialised CUDA). There the zygote imports nothing, each
+worker imports after the fork, and the zygote starts a worker's clock (the
+kill timer, a peer's "ready") only once the worker says it is warm (see
+:data:`WARM`; ``PROMPTSTORE_TEST_FORK=cold`` forces this elsewhere).
+
 Content is deterministic: ``make_entry(seed, i)`` and ``chat_entry(conv, turn)``
 give the same tokens and cache in every process, so the test process can check
 any entry bit-exactly. ``make_entry``'s entries share nothing; ``chat_entry``'s
@@ -28,7 +35,6 @@ import traceback
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bits, also where the interpreter adds no script folder (PYTHONSAFEPATH)
-from _bits import bits_equal  # noqa: E402
 
 
 def make_entry(seed: int, i: int, big_every: int = 6):
@@ -111,6 +117,7 @@ def _nth(content: str, seed: int, i: int, first_chat: int = 0, chats: int = 10):
 
 def same_cache(a, b) -> bool:
     """Bit-exact equality of two caches: class, codec meta and every array."""
+    from _bits import bits_equal
     from promptstore.codecs import encode_layer
 
     if len(a) != len(b):
@@ -133,6 +140,56 @@ MODEL = "reliability@0"
 
 def _say(fd: int, line: str) -> None:
     os.write(fd, (line + "\n").encode())
+
+
+def _cuda_build() -> bool:
+    """Whether the installed mlx is its CUDA backend's build (found without importing mlx)."""
+    from importlib import metadata
+
+    return any((d.metadata["Name"] or "").lower().startswith("mlx-cuda") for d in metadata.distributions())
+
+
+def _warm_fork() -> bool:
+    mode = os.environ.get("PROMPTSTORE_TEST_FORK", "").strip().lower()
+    return mode == "warm" if mode in ("warm", "cold") else not _cuda_build()
+
+
+WARM = _warm_fork()  # the zygote imports mlx and promptstore before forking
+
+
+def _imports() -> None:
+    """What every worker needs, imported: by the zygote (``WARM``) or by each
+    worker after its fork."""
+    import mlx.core  # noqa: F401
+    import mlx_lm.models.cache  # noqa: F401
+    import promptstore  # noqa: F401
+    import promptstore.store._salvage  # noqa: F401
+
+    if os.environ.get("PROMPTSTORE_TEST_BLOB_MIN"):  # payloads from this size on go to blob files
+        import promptstore.format._blobs
+
+        promptstore.format._blobs.MIN_PAYLOAD = int(os.environ["PROMPTSTORE_TEST_BLOB_MIN"])
+
+
+def _warm_up(fd: int) -> None:
+    """In a worker just forked: import what the zygote did not, then say so
+    (a line ``W`` on ``fd``) where the zygote waits for it (:func:`_await_warm`)."""
+    if not WARM:
+        _imports()
+        _say(fd, "W")
+
+
+def _await_warm(fd: int) -> None:
+    """Wait for a cold worker's ``W`` line on ``fd`` (read byte by byte, so the
+    worker's later lines stay in the pipe); nothing to wait for when warm."""
+    if WARM:
+        return
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            return  # the worker died first: its pipe says why
+        line += byte
 
 
 # -- crash: puts killed by SIGKILL --------------------------------------------------
@@ -180,9 +237,15 @@ def crash(path: str, kills: int, seed: int, content: str) -> dict:
         pid = os.fork()
         if pid == 0:
             os.close(r)
+            try:
+                _warm_up(w)
+            except BaseException:
+                _say(w, "E " + traceback.format_exc().replace("\n", " | "))
+                os._exit(1)
             _crash_child(path, seed if content == "chats" else seed * 1000 + k, w, content, k)
             os._exit(0)
         os.close(w)
+        _await_warm(r)
         time.sleep(rng.uniform(0.01, 0.2))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
@@ -294,6 +357,8 @@ def concurrency(path: str, seconds: float) -> dict:
         if pid == 0:
             os.close(r)
             try:
+                if not WARM:
+                    _imports()
                 if role == "writer":
                     _writer(path, n, seconds, reports[n], (ready_w, go_r), w)
                 else:
@@ -371,6 +436,8 @@ def _in_child(fn, *args) -> dict:
     if pid == 0:
         os.close(r)
         try:
+            if not WARM:
+                _imports()
             fn(*args, w)
         finally:
             os._exit(0)
@@ -458,12 +525,14 @@ def compact_peer(path: str, seconds: float, report: str) -> dict:
     if pid == 0:
         os.close(r)
         try:
+            _warm_up(w)
             _compact_child(path, seconds, report, w)
         except BaseException:
             _say(w, json.dumps({"error": traceback.format_exc()}))
             os._exit(1)
         os._exit(0)
     os.close(w)
+    _await_warm(r)
     print(json.dumps({"ready": True}), flush=True)
     _, status = os.waitpid(pid, 0)
     out = _drain(r).strip()
@@ -473,16 +542,8 @@ def compact_peer(path: str, seconds: float, report: str) -> dict:
 
 
 if __name__ == "__main__":
-    # Import (but never run) mlx and promptstore before forking: children start warm.
-    import mlx.core  # noqa: F401
-    import mlx_lm.models.cache  # noqa: F401
-    import promptstore  # noqa: F401
-    import promptstore.store._salvage  # noqa: F401
-
-    if os.environ.get("PROMPTSTORE_TEST_BLOB_MIN"):  # payloads from this size on go to blob files
-        import promptstore.format._blobs
-
-        promptstore.format._blobs.MIN_PAYLOAD = int(os.environ["PROMPTSTORE_TEST_BLOB_MIN"])
+    if WARM:  # import (but never run) mlx and promptstore before forking: children start warm
+        _imports()
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "crash":
         res = crash(args[0], int(args[1]), int(args[2]), args[3])
