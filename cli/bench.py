@@ -165,7 +165,9 @@ def render(res: Dict[str, Any]) -> str:
                 add(f"| {label} | {o[key]['seconds']:.3f} | {o[key]['tokens_per_s']:.1f} |")
             add("")
             add(f"Served one at a time with the self-draft, the requests take {1 / o['self_draft_vs_batched']:.2f}x the "
-                f"batch's time; the batch's tokens equal the one-at-a-time tokens: {o['batched_tokens_identical']}.")
+                f"batch's time; the self-draft's tokens equal those without a draft: "
+                f"{o['self_draft_tokens_identical']}; the batch's tokens equal the one-at-a-time tokens: "
+                f"{o['batched_tokens_identical']}.")
             add("")
     r = res.get("remote")
     if r:

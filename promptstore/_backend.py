@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["backend"]
+__all__ = ["backend", "shape_exact"]
 
 
 def backend() -> str:
@@ -12,3 +12,11 @@ def backend() -> str:
     if mx.default_device() == mx.cpu:
         return "cpu"
     return "metal" if mx.metal.is_available() else "cuda"
+
+
+def shape_exact() -> bool:
+    """Whether this backend computes the same bits whatever the call shape:
+    the CPU does; GPU kernels (Metal, CUDA) may not, so there speculative
+    decoding is not promised to equal plain greedy decoding (README,
+    "Fidelity contract")."""
+    return backend() == "cpu"

@@ -12,10 +12,12 @@ import pytest
 from mlx_lm import load
 
 from conftest import MODELS
+from promptstore.bench import _draft
 from promptstore.bench._draft import draft_cases, smaller_draft
-from promptstore.errors import InvalidInput
+from promptstore.errors import InvalidInput, PromptStoreError
 
 
+@pytest.mark.shape_dependent
 def test_draft_row_is_greedy_identical_and_reports_the_acceptance(tmp_path):
     k, max_tokens = 3, 12
     res = draft_cases(1, max_tokens, num_draft_tokens=k, prompt_tokens=16, workdir=tmp_path)
@@ -33,6 +35,37 @@ def test_draft_row_is_greedy_identical_and_reports_the_acceptance(tmp_path):
     assert small["rounds"] > self_row["rounds"]
     assert list(tmp_path.iterdir()) == []  # the scratch draft folder is removed
     json.dumps(res)  # the bench writes its results as JSON
+
+
+def test_greedy_identity_is_required_only_where_kernels_are_shape_exact(tmp_path, monkeypatch):
+    """Plain greedy decoding made to differ: on a shape-exact backend (the
+    CPU) the case raises; elsewhere it reports the difference, as the
+    fidelity contract promises no more there. A variant whose runs differ
+    from each other raises everywhere."""
+    real = _draft._plain
+
+    def off_by_one(model, prompt, max_tokens):
+        tokens, seconds = real(model, prompt, max_tokens)
+        return tokens[:-1] + [tokens[-1] + 1], seconds
+
+    monkeypatch.setattr(_draft, "_plain", off_by_one)
+    monkeypatch.setattr(_draft, "shape_exact", lambda: True)
+    with pytest.raises(PromptStoreError, match="must be greedy-identical"):
+        draft_cases(1, 6, num_draft_tokens=2, prompt_tokens=8, workdir=tmp_path)
+    monkeypatch.setattr(_draft, "shape_exact", lambda: False)
+    res = draft_cases(1, 6, num_draft_tokens=2, prompt_tokens=8, workdir=tmp_path)
+    assert res["tokens_identical"] is False
+    calls = []
+
+    def drifting(model, prompt, max_tokens):
+        calls.append(1)
+        tokens, seconds = real(model, prompt, max_tokens)
+        return tokens[:-1] + [tokens[-1] + len(calls)], seconds
+
+    monkeypatch.setattr(_draft, "_plain", drifting)
+    with pytest.raises(PromptStoreError, match="its first run generated"):
+        draft_cases(1, 6, num_draft_tokens=2, prompt_tokens=8, workdir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_smaller_draft_is_the_targets_first_layers_with_its_tokenizer(tmp_path):

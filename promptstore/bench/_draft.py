@@ -16,17 +16,21 @@ without a draft, with a self-draft and with a smaller draft, with the acceptance
 Each variant prefills the prompt but its last token untimed, then is timed
 from the last prompt token to ``max_tokens`` generated tokens (decode only).
 The variants run interleaved, one of each per repeat, so a noisy machine
-slows them alike, after one untimed warm-up run each; times are medians. Every run of every variant must give
-the same tokens (greedy identity, ``==``), else the case raises.
+slows them alike, after one untimed warm-up run each; times are medians. Every run of a variant
+must give the same tokens as its first run, and, where the backend's kernels do not depend on
+the call shape (the CPU), every variant the same tokens as plain greedy decoding (greedy
+identity, ``==``); else the case raises. On a GPU backend the identity is compared and reported
+(``tokens_identical``), not required: the fidelity contract does not promise it there.
 
 ``one_at_a_time``: the price of mlx-lm's server serving draft requests alone.
 ``concurrent`` requests (distinct seeded prompts) arrive together; timed from
 their prompts to every answer (prefill included), they are served one after
 another with the self-draft, one after another without a draft, and in one
 mlx-lm ``BatchGenerator`` batch without a draft (what the server does without
-a draft). The one-at-a-time runs must give the same tokens; the batch's
-tokens are compared and reported, not required (a batch computes in other
-shapes).
+a draft). The one-at-a-time runs must give the same tokens where the kernels
+do not depend on the call shape (reported as ``self_draft_tokens_identical``
+everywhere); the batch's tokens are compared and reported, not required (a
+batch computes in other shapes).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 import mlx.core as mx
 import numpy as np
 
+from promptstore._backend import shape_exact
 from promptstore.bench._fixture import HYBRID, fixture_model
 from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.jobs.prefill import load_model
@@ -183,12 +188,15 @@ def one_at_a_time(plain: Any, target: Any, self_draft: Any, prompts: List[List[i
     }
     times: Dict[str, List[float]] = {name: [] for name in runs}
     tokens: Dict[str, List[List[int]]] = {}
+    exact = shape_exact()
     for r in range(repeats + 1):  # run 0 warms up (checked, not timed)
         for name, run in runs.items():
             got, seconds = run()
-            if tokens.setdefault(name, got) != got or (name == "serial_no_draft" and got != tokens["serial_self_draft"]):
+            first = tokens.setdefault(name, got)
+            if first != got or (exact and name == "serial_no_draft" and got != tokens["serial_self_draft"]):
+                want = first if first != got else tokens["serial_self_draft"]
                 raise PromptStoreError(
-                    f"bench draft: {name} (repeat {r}) generated {got} where {tokens['serial_self_draft']} was "
+                    f"bench draft: {name} (repeat {r}) generated {got} where {want} was "
                     "generated before; greedy decoding one request at a time must give the same tokens"
                 )
             if r:
@@ -199,6 +207,7 @@ def one_at_a_time(plain: Any, target: Any, self_draft: Any, prompts: List[List[i
         med = statistics.median(ts)
         out[name] = {"seconds": med, "tokens_per_s": total / med}
     out["self_draft_vs_batched"] = out["batched_no_draft"]["seconds"] / out["serial_self_draft"]["seconds"]
+    out["self_draft_tokens_identical"] = tokens["serial_self_draft"] == tokens["serial_no_draft"]
     out["batched_tokens_identical"] = tokens["batched_no_draft"] == tokens["serial_no_draft"]
     return out
 
@@ -242,7 +251,9 @@ def draft_cases(
 
     Raises:
         InvalidInput: a size below 1 or a model that cannot be cut.
-        PromptStoreError: a variant's tokens differ from plain greedy decoding.
+        PromptStoreError: a variant's tokens differ from its first run's, or
+            (where :func:`~promptstore._backend.shape_exact`) from plain greedy
+            decoding.
     """
     if repeats < 1 or max_tokens < 1 or prompt_tokens < 2 or num_draft_tokens < 1 or concurrent < 0:
         raise InvalidInput("draft_cases needs repeats >= 1, max_tokens >= 1, prompt_tokens >= 2, "
@@ -266,16 +277,21 @@ def draft_cases(
             "small_draft": lambda: _speculative(target, small, prompt, max_tokens, num_draft_tokens, stats["small_draft"]),
         }
         times: Dict[str, List[float]] = {name: [] for name in runs}
-        want: Optional[List[int]] = None
+        firsts: Dict[str, List[int]] = {}
+        exact = shape_exact()
         for r in range(repeats + 1):  # run 0 warms up (checked, not timed)
             for name, run in runs.items():
                 tokens, seconds = run()
-                if want is None:
-                    want = tokens
-                elif tokens != want:
+                first = firsts.setdefault(name, tokens)
+                if tokens != first:
+                    raise PromptStoreError(
+                        f"bench draft: {name} (repeat {r}) generated {tokens} where its first run generated "
+                        f"{first}; the same call must give the same tokens"
+                    )
+                if exact and tokens != firsts["no_draft"]:
                     raise PromptStoreError(
                         f"bench draft: {name} (repeat {r}) generated {tokens} where plain greedy decoding "
-                        f"generated {want}; speculative decoding must be greedy-identical"
+                        f"generated {firsts['no_draft']}; speculative decoding must be greedy-identical"
                     )
                 if r:
                     times[name].append(seconds)
@@ -286,7 +302,7 @@ def draft_cases(
             "num_draft_tokens": num_draft_tokens,
             "repeats": repeats,
             "layers": {"target": len(target.layers), "small_draft": len(small.layers)},
-            "tokens_identical": True,
+            "tokens_identical": all(t == firsts["no_draft"] for t in firsts.values()),
         }
         base = statistics.median(times["no_draft"])
         for name, ts in times.items():
