@@ -274,7 +274,7 @@ def assemble(
 
     sizes = [rec.nbytes for _, rec in parted]
     dests: List[Any]
-    if not small and _blank.staged() and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
+    if not small and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
 
         def read(indices: Sequence[int], hosts: List[np.ndarray]) -> None:
             groups = [(host, blocks_of(i, host)) for i, host in zip(indices, hosts)]
