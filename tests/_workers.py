@@ -179,17 +179,20 @@ def _warm_up(fd: int) -> None:
         _say(fd, "W")
 
 
-def _await_warm(fd: int) -> None:
+def _await_warm(fd: int) -> str:
     """Wait for a cold worker's ``W`` line on ``fd`` (read byte by byte, so the
-    worker's later lines stay in the pipe); nothing to wait for when warm."""
+    worker's later lines stay in the pipe); nothing to wait for when warm.
+    Returns what was read instead of ``W`` (the worker failed first: its
+    error line), for the caller to put before the rest of the pipe."""
     if WARM:
-        return
+        return ""
     line = b""
     while not line.endswith(b"\n"):
         byte = os.read(fd, 1)
         if not byte:
-            return  # the worker died first: its pipe says why
+            break  # the worker died first: its pipe says why
         line += byte
+    return "" if line == b"W\n" else line.decode()
 
 
 # -- crash: puts killed by SIGKILL --------------------------------------------------
@@ -245,11 +248,11 @@ def crash(path: str, kills: int, seed: int, content: str) -> dict:
             _crash_child(path, seed if content == "chats" else seed * 1000 + k, w, content, k)
             os._exit(0)
         os.close(w)
-        _await_warm(r)
+        first = _await_warm(r)
         time.sleep(rng.uniform(0.01, 0.2))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        lines = _drain(r).splitlines()
+        lines = (first + _drain(r)).splitlines()
         if lines and lines[-1].startswith("S"):
             inflight += 1
         for line in lines:
@@ -532,10 +535,10 @@ def compact_peer(path: str, seconds: float, report: str) -> dict:
             os._exit(1)
         os._exit(0)
     os.close(w)
-    _await_warm(r)
+    first = _await_warm(r)
     print(json.dumps({"ready": True}), flush=True)
     _, status = os.waitpid(pid, 0)
-    out = _drain(r).strip()
+    out = (first + _drain(r)).strip()
     doc = json.loads(out.splitlines()[-1]) if out else {"error": "no output"}
     doc["status"] = status
     return doc
