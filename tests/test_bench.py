@@ -6,6 +6,7 @@ No test asserts on a time: the bench reports, it never gates.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lmdb
@@ -452,7 +453,25 @@ def test_restore_targets_alone_measure_a_bit_exact_get(tmp_path):
 
     row = _restore.measure(64, "1", repeats=1)
     assert row["bit_exact"] is True and row["memory"]["restored"] is True
-    assert row["threads"] == "1" and row["tokens"] == 64
+    assert row["threads"] == "1" and row["tokens"] == 64 and row["mode"] == "default"
     assert row["bytes"] == row["memory"]["bytes"] > 0
     for key in ("get_vs_load", "get_vs_memcpy", "put_vs_write", "peak_rss_per_byte"):
         assert row[key] > 0
+
+
+def test_restore_targets_alone_take_a_restore_mode(monkeypatch):
+    """A mode reaches the throughput child (its environment) and the
+    peak-memory child (this process's, restored afterwards)."""
+    from promptstore.bench import _restore
+
+    seen = []
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "direct")
+    monkeypatch.setattr(_restore.cases, "throughput_child",
+                        lambda work, shape, n, repeats, env: seen.append(dict(env)) or {
+                            "bytes": 8, "bit_exact": True, "mlx_load_fresh": 1.0, "get_fresh": 1.0, "memcpy_fresh": 1.0,
+                            "file_write": 1.0, "put": 1.0, "file_write_grow": 1.0, "put_grow": 1.0})
+    monkeypatch.setattr(_restore.cases, "peak_memory",
+                        lambda work, n: seen.append(os.environ.get("PROMPTSTORE_RESTORE")) or {"rss_delta": 8})
+    row = _restore.measure(64, "auto", mode="ahead")
+    assert row["mode"] == "ahead" and seen == [{"PROMPTSTORE_RESTORE": "ahead"}, "ahead"]
+    assert os.environ["PROMPTSTORE_RESTORE"] == "direct"
