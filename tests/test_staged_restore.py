@@ -22,7 +22,7 @@ from _raw import blocks_of, flip_block
 from _redis import redis_binary, redis_root, redis_single  # noqa: F401
 from _workers import MODEL, same_cache
 from promptstore import CorruptEntry, PromptStore
-from promptstore.format import _blank, _blobs
+from promptstore.format import _blank, _blobs, _fill
 
 
 @pytest.fixture(params=["staged", "ahead"])
@@ -226,8 +226,6 @@ def test_ahead_raises_the_readers_error_and_reads_no_further(monkeypatch):
 
 
 def test_copy_in_pieces_copies_every_byte():
-    from promptstore.format import _fill
-
     for n in (0, 1, (1 << 20) - 1, 5 * (1 << 20) + 3, 33 * (1 << 20) + 1):
         src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
         dst = np.zeros(n, dtype=np.uint8)
