@@ -84,6 +84,20 @@ def test_sigkill_during_puts(tmp_path, content, shared_blocks, kills):
     store.close()
 
 
+def test_sigkill_with_workers_that_import_after_their_fork(tmp_path, monkeypatch):
+    """The workers' cold start (``PROMPTSTORE_TEST_FORK=cold``), which mlx's
+    CUDA backend needs (tests/_workers.py): the zygote imports neither mlx nor
+    promptstore, each worker does after its fork, and the kill timer starts
+    once the worker is warm, so kills still land inside puts."""
+    monkeypatch.setenv("PROMPTSTORE_TEST_FORK", "cold")
+    kills = 8
+    res = run_worker("crash", tmp_path / "store", kills, 3, "chats", shared_blocks=True)
+    assert res["errors"] == [] and res["kills"] == kills
+    assert res["inflight_at_kill"] >= kills // 5, res["inflight_at_kill"]
+    assert len(res["done"]) > kills
+    check_after_crashes(tmp_path / "store", res["done"], "chats").close()
+
+
 def test_sigkill_during_deletes_pack_rewrites_and_compaction(tmp_path):
     """Kills land in puts, deletes, gc's pack rewrites and compactions: no
     entry points at a missing block, every count is exact, nothing that was
