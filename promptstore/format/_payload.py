@@ -229,22 +229,20 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
                 members.setdefault(b, []).append(i)
                 starts[i] = base
 
-            def fill(b: int, view: memoryview) -> None:
-                host = np.frombuffer(view, dtype=np.uint8)
-                ks = members.get(b, [])
-                fresh = not _fill.resident(host)
-                jobs = [(host[starts[i] : starts[i] + recs[i][1].nbytes], segments[i], fresh) for i in ks]
-                digests.update(zip(ks, _fill.fill(fd, jobs)))
-
             def read(indices: Sequence[int], hosts: List[np.ndarray]) -> None:
+                """Buffers ``indices`` into ``hosts``: their arrays' reads in one fill."""
                 jobs, ks = [], []
                 for b, host in zip(indices, hosts):
+                    fresh = not _fill.resident(host)
                     for i in members.get(b, []):
-                        jobs.append((host[starts[i] : starts[i] + recs[i][1].nbytes], segments[i], True))
+                        jobs.append((host[starts[i] : starts[i] + recs[i][1].nbytes], segments[i], fresh))
                         ks.append(i)
                 digests.update(zip(ks, _fill.fill(fd, jobs)))
 
-            bufs = _blank.ahead(sizes, read) if _blank.reads_ahead() else _blank.filled(sizes, fill)
+            if _blank.reads_ahead():
+                bufs = _blank.ahead(sizes, read)
+            else:
+                bufs = _blank.filled(sizes, lambda b, view: read([b], [np.frombuffer(view, dtype=np.uint8)]))
         else:
             bufs = _blank.blank(sizes)
             hosts = [np.asarray(b) for b in bufs]

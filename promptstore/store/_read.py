@@ -272,15 +272,15 @@ def assemble(
                 release(t.raw)
         return from_files
 
+    def read(indices: Sequence[int], hosts: List[np.ndarray]) -> None:
+        """Arrays ``indices`` into ``hosts``: their blocks in files read at once."""
+        groups = [(host, blocks_of(i, host)) for i, host in zip(indices, hosts)]
+        if any(tasks for _, tasks in groups):
+            _read_blocks([g for g in groups if g[1]], where, threads)
+
     sizes = [rec.nbytes for _, rec in parted]
     dests: List[Any]
     if not small and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
-
-        def read(indices: Sequence[int], hosts: List[np.ndarray]) -> None:
-            groups = [(host, blocks_of(i, host)) for i, host in zip(indices, hosts)]
-            if any(tasks for _, tasks in groups):
-                _read_blocks([g for g in groups if g[1]], where, threads)
-
         dests = _blank.ahead(sizes, read)
     elif not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
 
@@ -297,9 +297,7 @@ def assemble(
         # A small restore fills numpy buffers and copies them into mlx at the end:
         # mlx's loader (_blank) costs more than copying a few hundred kB again.
         dests = [np.empty(n, np.uint8) for n in sizes] if small else _blank.blank(sizes)
-        groups = [(whole, blocks_of(i, whole)) for i, whole in enumerate(np.asarray(d) for d in dests)]
-        if any(tasks for _, tasks in groups):
-            _read_blocks([g for g in groups if g[1]], where, threads)
+        read(range(len(dests)), [np.asarray(d) for d in dests])
     for (li, rec), dest in zip(parted, dests):
         arr = mx.array(dest) if small else dest
         arrays[li][rec.name] = arr.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
