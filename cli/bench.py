@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 import click
 
 from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
-from promptstore.bench import gbps, run
+from promptstore.bench import CASES, gbps, run
 
 
 @command()
@@ -17,9 +17,11 @@ from promptstore.bench import gbps, run
               help="Also write the results as Markdown to this file.")
 @click.option("--dir", "scratch", type=click.Path(file_okay=False, exists=True), default=None,
               help="Directory for the scratch stores and files (on the disk to measure) [default: system temp].")
+@click.option("--only", "only", default=None, metavar="CASE[,CASE...]",
+              help=f"Run only these cases (and judge only their targets): {', '.join(CASES)}.")
 @json_option
 @guarded
-def bench(quick, out_file, scratch, as_json):
+def bench(quick, out_file, scratch, only, as_json):
     """Measure promptstore against mlx-lm, plain files and memcpy.
 
     Builds a Qwen3-Next-80B-shaped prompt cache (36 gated-DeltaNet layers,
@@ -39,10 +41,14 @@ def bench(quick, out_file, scratch, as_json):
     def progress(line: str) -> None:
         click.echo(f"bench: {line}", err=True)
 
-    results = run(quick=quick, workdir=Path(scratch) if scratch else None, progress=progress)
+    cases = None if only is None else [c.strip() for c in only.split(",") if c.strip()]
+    unknown = sorted(set(cases or ()) - set(CASES))
+    if unknown or cases == []:
+        raise click.BadParameter(f"{', '.join(unknown) or 'no case'}: choose among {', '.join(CASES)}", param_hint="--only")
+    results = run(quick=quick, workdir=Path(scratch) if scratch else None, progress=progress, only=cases)
     results["command"] = "promptstore bench" + "".join(
         f" {flag}" for flag, on in (("--quick", quick), ("--json", as_json)) if on
-    ) + "".join(f" {flag} {value}" for flag, value in (("--out", out_file), ("--dir", scratch)) if value)
+    ) + "".join(f" {flag} {value}" for flag, value in (("--out", out_file), ("--dir", scratch), ("--only", only)) if value)
     text = render(results)
     if out_file:
         Path(out_file).write_text(text)
@@ -61,6 +67,8 @@ def render(res: Dict[str, Any]) -> str:
     lines: List[str] = []
     add = lines.append
     mode = "quick" if res["quick"] else "full"
+    if res.get("only"):
+        mode += ", only " + ", ".join(res["only"])
     m = res["machine"]
     add(f"# promptstore bench ({mode} run)")
     add("")
@@ -77,55 +85,57 @@ def render(res: Dict[str, Any]) -> str:
     for t in res["targets"]:
         add(f"| {t['name']} | {t['value']:.2f} | {t['op']} {t['target']:g} | {'PASS' if t['ok'] else 'MISS'} |")
     add("")
-    add("## Throughput (GB/s; ratio = promptstore / reference)")
-    add("")
-    lines.extend(_throughput(res["throughput"], gbps))
-    add("*fresh*: the mlx buffer cache is emptied (`mx.clear_cache()`) before each get/load, and memcpy "
-        "goes into a newly allocated buffer, so page faults on the destination are paid. *reuse*: "
-        "`mx.set_cache_limit` leaves room for the previous repeat's buffers (the mlx buffer cache) and "
-        "memcpy reuses one numpy buffer. *put*: the store at a steady size, as the reference replaces its "
-        "file: the entry of two puts ago is deleted (untimed) before the next put, which unlinks its blob "
-        "file as the reference unlinks its file. *grow*: every entry (in a store of "
-        "its own) and every reference file is kept, so both sides take new "
-        "space (on this VM, first-touched memory for the page cache is what that costs). mlx-lm's save is "
-        "followed by an fsync of the file so both sides are durable. "
-        "The operations run interleaved, one of each per round, every other round in reverse order, in a "
-        "fresh process per cache size; before each of the first set (put, write, save, fresh get/load/read/"
-        "memcpy) N bytes are touched and freed, so each starts with the same warm free memory (on this VM, "
-        "memory freed seconds earlier goes back to the host and costs host faults to touch again). "
-        "Bytes written per put: what one steady put passed to write calls (`/proc/self/io` wchar: payload, "
-        "blocks, manifest, index, LMDB pages).")
-    add("")
-    if res.get("throughput_hugetlb"):
-        add("### The same, with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`")
+    if res.get("throughput"):
+        add("## Throughput (GB/s; ratio = promptstore / reference)")
         add("")
-        lines.extend(_throughput(res["throughput_hugetlb"], gbps))
-        add("glibc then backs large mallocs (mlx's buffers, LMDB's dirty pages) with transparent huge "
-            "pages, so a fresh destination costs one fault per 2 MiB instead of per 4 KiB.")
+        lines.extend(_throughput(res["throughput"], gbps))
+        add("*fresh*: the mlx buffer cache is emptied (`mx.clear_cache()`) before each get/load, and memcpy "
+            "goes into a newly allocated buffer, so page faults on the destination are paid. *reuse*: "
+            "`mx.set_cache_limit` leaves room for the previous repeat's buffers (the mlx buffer cache) and "
+            "memcpy reuses one numpy buffer. *put*: the store at a steady size, as the reference replaces its "
+            "file: the entry of two puts ago is deleted (untimed) before the next put, which unlinks its blob "
+            "file as the reference unlinks its file. *grow*: every entry (in a store of "
+            "its own) and every reference file is kept, so both sides take new "
+            "space (on this VM, first-touched memory for the page cache is what that costs). mlx-lm's save is "
+            "followed by an fsync of the file so both sides are durable. "
+            "The operations run interleaved, one of each per round, every other round in reverse order, in a "
+            "fresh process per cache size; before each of the first set (put, write, save, fresh get/load/read/"
+            "memcpy) N bytes are touched and freed, so each starts with the same warm free memory (on this VM, "
+            "memory freed seconds earlier goes back to the host and costs host faults to touch again). "
+            "Bytes written per put: what one steady put passed to write calls (`/proc/self/io` wchar: payload, "
+            "blocks, manifest, index, LMDB pages).")
         add("")
-    add("## Peak memory of a get (fresh process)")
-    add("")
-    add("| entry | N | RSS peak delta / N | private (RssAnon) peak / N | LMDB pages left mapped / N | mlx allocator peak / N | get s |")
-    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for mm in res["memory"]:
-        n = mm["bytes"]
-        add(f"| {mm['tokens']} tokens | {_size(n)} | {mm['rss_delta'] / n:.2f} | {mm['anon_delta'] / n:.2f} | "
-            f"{mm.get('file_delta', 0) / n:.2f} | {mm['mlx_peak'] / n:.2f} | {mm['get_s']:.3f} |")
-    add("")
-    add("RSS: `VmHWM` after the get minus `VmRSS` before it, in a fresh process that first restored a "
-        "1-token entry (so code and imports do not count). RssAnon is sampled every millisecond.")
-    add("")
-    add("## Lookup latency (ms, median)")
-    add("")
-    add("| entries | store file | 1K-token query | 32K-token query | 1K, index only (peek) | 32K, index only (peek) |")
-    add("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in res["lookup"]:
-        add(f"| {r['entries']} | {_size(r['file_bytes'])} | {r['q1024'] * 1e3:.2f} | {r['q32768'] * 1e3:.2f} | "
-            f"{r.get('peek1024', 0) * 1e3:.2f} | {r.get('peek32768', 0) * 1e3:.2f} |")
-    add("")
-    add("lookup: the index, then the hit restored (900 and 31000 tokens of a 2-byte-per-token cache); "
-        "peek: the index alone.")
-    add("")
+        if res.get("throughput_hugetlb"):
+            add("### The same, with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`")
+            add("")
+            lines.extend(_throughput(res["throughput_hugetlb"], gbps))
+            add("glibc then backs large mallocs (mlx's buffers, LMDB's dirty pages) with transparent huge "
+                "pages, so a fresh destination costs one fault per 2 MiB instead of per 4 KiB.")
+            add("")
+        add("## Peak memory of a get (fresh process)")
+        add("")
+        add("| entry | N | RSS peak delta / N | private (RssAnon) peak / N | LMDB pages left mapped / N | mlx allocator peak / N | get s |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for mm in res["memory"]:
+            n = mm["bytes"]
+            add(f"| {mm['tokens']} tokens | {_size(n)} | {mm['rss_delta'] / n:.2f} | {mm['anon_delta'] / n:.2f} | "
+                f"{mm.get('file_delta', 0) / n:.2f} | {mm['mlx_peak'] / n:.2f} | {mm['get_s']:.3f} |")
+        add("")
+        add("RSS: `VmHWM` after the get minus `VmRSS` before it, in a fresh process that first restored a "
+            "1-token entry (so code and imports do not count). RssAnon is sampled every millisecond.")
+        add("")
+    if res.get("lookup"):
+        add("## Lookup latency (ms, median)")
+        add("")
+        add("| entries | store file | 1K-token query | 32K-token query | 1K, index only (peek) | 32K, index only (peek) |")
+        add("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in res["lookup"]:
+            add(f"| {r['entries']} | {_size(r['file_bytes'])} | {r['q1024'] * 1e3:.2f} | {r['q32768'] * 1e3:.2f} | "
+                f"{r.get('peek1024', 0) * 1e3:.2f} | {r.get('peek32768', 0) * 1e3:.2f} |")
+        add("")
+        add("lookup: the index, then the hit restored (900 and 31000 tokens of a 2-byte-per-token cache); "
+            "peek: the index alone.")
+        add("")
     if res.get("eviction"):
         add("## Eviction vs store size (ms, median)")
         add("")
@@ -195,25 +205,27 @@ def render(res: Dict[str, Any]) -> str:
             add("Store A prefilled and published the prompt; store B (local copy deleted before each repeat) reads it "
                 "through from the remote, writes it locally and runs the last token.")
         add("")
-    rs = res["row_save"]
-    add(f"## Saving row {rs['row']} of a batch of {rs['rows']}")
-    add("")
-    add("| row tokens | row bytes | batch bytes | entry payload | bytes written | written / row | extract s | put s |")
-    add("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    add(f"| {rs['row_tokens']} | {_size(rs['row_bytes'])} | {_size(rs['batch_bytes'])} | {_size(rs['entry_bytes'])} | "
-        f"{_size(rs['written'])} | {rs['written'] / rs['row_bytes']:.3f} | {rs['extract_s']:.3f} | {rs['put_s']:.3f} |")
-    add("")
-    add(f"Saved with {rs['method']}; recurrent layers are {rs['ssm_class']}. Bytes written: what the put passed "
-        "to write calls (`/proc/self/io` wchar: payload, blocks, manifest, index and LMDB pages).")
-    add("")
-    add("## Time to first token on fixtures/models/qwen3_next (ms)")
-    add("")
-    add("| prompt tokens | cold prefill | restored + 1 step | speedup | entry | same first token |")
-    add("| ---: | ---: | ---: | ---: | ---: | --- |")
-    for p in res["prefill"]:
-        add(f"| {p['tokens']} | {p['cold_s'] * 1e3:.1f} | {p['restored_s'] * 1e3:.1f} | {p['cold_s'] / p['restored_s']:.1f}x | "
-            f"{_size(p['entry_bytes'])} | {p['same_first_token']} |")
-    add("")
+    rs = res.get("row_save")
+    if rs:
+        add(f"## Saving row {rs['row']} of a batch of {rs['rows']}")
+        add("")
+        add("| row tokens | row bytes | batch bytes | entry payload | bytes written | written / row | extract s | put s |")
+        add("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        add(f"| {rs['row_tokens']} | {_size(rs['row_bytes'])} | {_size(rs['batch_bytes'])} | {_size(rs['entry_bytes'])} | "
+            f"{_size(rs['written'])} | {rs['written'] / rs['row_bytes']:.3f} | {rs['extract_s']:.3f} | {rs['put_s']:.3f} |")
+        add("")
+        add(f"Saved with {rs['method']}; recurrent layers are {rs['ssm_class']}. Bytes written: what the put passed "
+            "to write calls (`/proc/self/io` wchar: payload, blocks, manifest, index and LMDB pages).")
+        add("")
+    if res.get("prefill"):
+        add("## Time to first token on fixtures/models/qwen3_next (ms)")
+        add("")
+        add("| prompt tokens | cold prefill | restored + 1 step | speedup | entry | same first token |")
+        add("| ---: | ---: | ---: | ---: | ---: | --- |")
+        for p in res["prefill"]:
+            add(f"| {p['tokens']} | {p['cold_s'] * 1e3:.1f} | {p['restored_s'] * 1e3:.1f} | {p['cold_s'] / p['restored_s']:.1f}x | "
+                f"{_size(p['entry_bytes'])} | {p['same_first_token']} |")
+        add("")
     lines.extend(_sharing(res))
     return "\n".join(lines)
 

@@ -166,6 +166,34 @@ def test_quick_run_cleans_its_scratch_and_reports_every_target(quick):
         assert ("PASS" if t["ok"] else "MISS") in md
 
 
+def test_only_runs_the_cases_named_and_judges_only_their_targets(tmp_path):
+    out = tmp_path / "bench.md"
+    result = CliRunner().invoke(main, ["bench", "--quick", "--json", "--only", "row_save,lookup", "--out", str(out),
+                                       "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    res = json.loads(result.stdout)
+    assert res["only"] == ["lookup", "row_save"]  # in the order they run
+    measured = set(res) & {"throughput", "memory", "lookup", "eviction", "row_save", "prefill", "chat", "shared_prompt",
+                           "prefix_read", "draft", "remote", "remote_ttft", "fixture_hybrid"}
+    assert measured == {"lookup", "row_save"}  # no fixture model built either
+    assert [t["name"].split(",")[0] for t in res["targets"]] == ["lookup", "row save bytes written / row bytes"]
+    md = out.read_text()
+    assert md.startswith("# promptstore bench (quick, only lookup, row_save run)")
+    assert "## Lookup latency" in md and "## Saving row" in md and "## Throughput" not in md
+    assert res["command"].endswith("--only row_save,lookup")
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.md"]
+
+
+@pytest.mark.parametrize("only", ["lookup,speed", ","])
+def test_only_refuses_an_unknown_case(tmp_path, only):
+    result = CliRunner().invoke(main, ["bench", "--quick", "--json", "--only", only, "--dir", str(tmp_path)])
+    assert result.exit_code == 2
+    err = json.loads(result.stdout)
+    assert err["error"] == "UsageError" and "throughput, lookup, eviction" in err["message"]
+    assert ("speed" in err["message"]) == (only != ",")
+    assert not list(tmp_path.iterdir())
+
+
 def _fake(get_s=1.0, load_s=1.5, memcpy_s=0.6, put_s=1.0, file_s=0.9, rss=1.2e9, n=1e9, lookup_s=0.004, written=1.04e9,
           chat_stored=1.1e9, chat_median=1.05, chat_max=1.1, shared_stored=1.1e9, prefix_read=1.1e6, prefix_exact=True):
     chat = {"stored": int(chat_stored), "unique": int(1e9), "written_median": chat_median, "written_max": chat_max,

@@ -8,6 +8,6 @@
 * ``_child`` and ``_mem``: cases that run in a fresh subprocess.
 """
 
-from promptstore.bench._run import FULL, QUICK, Plan, gbps, run, targets
+from promptstore.bench._run import CASES, FULL, QUICK, Plan, gbps, run, targets
 
-__all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
+__all__ = ["Plan", "FULL", "QUICK", "CASES", "run", "targets", "gbps"]

@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -49,7 +49,7 @@ from promptstore.bench._draft import draft_cases
 from promptstore.bench._remote import remote_cases, remote_ttft
 from promptstore.bench._chat import Chat, serve_chat
 
-__all__ = ["Plan", "FULL", "QUICK", "run", "targets", "gbps"]
+__all__ = ["Plan", "FULL", "QUICK", "CASES", "run", "targets", "gbps"]
 
 
 def _hugetlb_tunable() -> Optional[str]:
@@ -102,24 +102,41 @@ QUICK = Plan(
 )
 
 
-def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
-    """Run every case and return the raw figures plus the judged targets.
+#: The cases a run can be limited to (``promptstore bench --only``), in the order they run.
+#: ``throughput`` includes the peak memory of a get; ``remote`` the remote tier's time to first token.
+CASES = ("throughput", "lookup", "eviction", "row_save", "prefill", "chat", "shared_prompt", "prefix_read",
+         "block_sizes", "draft", "remote")
+
+
+def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[[str], None] = lambda s: None,
+        only: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Run every case (or those of ``only``) and return the raw figures plus the judged targets.
 
     Args:
         quick: tiny sizes and few repeats (seconds; for CI).
         workdir: where the scratch stores and files go (a temporary
             directory inside it, removed afterwards); None: the system temp.
         progress: called with a short line before each case.
+        only: names from :data:`CASES`; None: all of them. A run of some
+            cases judges only the targets of those.
 
     Returns:
-        A JSON-serialisable dict: ``plan``, ``machine``, one key per case,
-        and ``targets`` (see :func:`targets`).
+        A JSON-serialisable dict: ``plan``, ``machine``, ``only``, one key
+        per case run, and ``targets`` (see :func:`targets`).
+
+    Raises:
+        ValueError: a name of ``only`` is not in :data:`CASES`.
     """
+    unknown = sorted(set(only or ()) - set(CASES))
+    if unknown:
+        raise ValueError(f"unknown bench case(s) {', '.join(unknown)}; the cases are {', '.join(CASES)}")
+    chosen = [c for c in CASES if only is None or c in only]
     plan = QUICK if quick else FULL
     tmp = Path(tempfile.mkdtemp(prefix="promptstore-bench-", dir=workdir))
     started = time.time()
     out: Dict[str, Any] = {
         "quick": quick,
+        "only": None if only is None else chosen,
         "plan": {k: v for k, v in asdict(plan).items() if k not in ("shape", "dense")},
         "shape": asdict(plan.shape),
         "dense_shape": asdict(plan.dense),
@@ -133,42 +150,50 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
         },
     }
     try:
-        # the repository's fixture hybrid, or (an installed package) one built here
-        hybrid = fixture_model(HYBRID, tmp)
-        out["fixture_hybrid"] = str(hybrid)
-        out["throughput"] = []
-        out["memory"] = []
-        out["throughput_hugetlb"] = []
-        for n, repeats in zip(plan.sizes, plan.repeats):
-            work = tmp / f"t{n}"
-            work.mkdir()
-            progress(f"throughput: {n}-token cache")
-            out["throughput"].append(cases.throughput_child(work, plan.shape, n, repeats))
-            progress(f"peak memory: get of the {n}-token entry")
-            out["memory"].append(cases.peak_memory(work, n))
-            shutil.rmtree(work, ignore_errors=True)
-            if HUGETLB:
+        if {"prefill", "draft", "remote"} & set(chosen):
+            # the repository's fixture hybrid, or (an installed package) one built here
+            hybrid = fixture_model(HYBRID, tmp)
+            out["fixture_hybrid"] = str(hybrid)
+        if "throughput" in chosen:
+            out["throughput"] = []
+            out["memory"] = []
+            out["throughput_hugetlb"] = []
+            for n, repeats in zip(plan.sizes, plan.repeats):
+                work = tmp / f"t{n}"
                 work.mkdir()
-                progress(f"throughput: {n}-token cache, GLIBC_TUNABLES={HUGETLB}")
-                out["throughput_hugetlb"].append(cases.throughput_child(work, plan.shape, n, repeats, {"GLIBC_TUNABLES": HUGETLB}))
+                progress(f"throughput: {n}-token cache")
+                out["throughput"].append(cases.throughput_child(work, plan.shape, n, repeats))
+                progress(f"peak memory: get of the {n}-token entry")
+                out["memory"].append(cases.peak_memory(work, n))
                 shutil.rmtree(work, ignore_errors=True)
-        progress("lookup latency vs store size")
-        out["lookup"] = cases.lookup(tmp, plan.lookup_sizes, plan.lookup_repeats)
-        progress("eviction vs store size")
-        out["eviction"] = cases.eviction(tmp, plan.evict_sizes, 21 if not quick else 5)
-        progress("row save from a batch of 8")
-        out["row_save"] = cases.row_save(tmp, plan.shape, plan.row_tokens)
-        progress("restore vs prefill on the fixture hybrid")
-        out["prefill"] = cases.restore_vs_prefill(tmp, hybrid, plan.prefill_lengths, plan.prefill_repeats)
-        out.update(_sharing_cases(tmp, plan, progress))
-        progress("speculative decoding on the fixture hybrid: no draft, self-draft, a smaller draft")
-        out["draft"] = draft_cases(5 if not quick else 1, 64 if not quick else 8, model_dir=hybrid, workdir=tmp)
-        progress(f"remote tier: {plan.sizes[0]}-token cache through a local redis-server")
-        (tmp / "remote").mkdir()
-        out["remote"] = remote_cases(tmp / "remote", plan.shape, plan.sizes[0], 5 if not quick else 2)
-        progress("remote tier: time to first token on a second store, the prompt prefilled by the first")
-        (tmp / "remote-ttft").mkdir()
-        out["remote_ttft"] = remote_ttft(tmp / "remote-ttft", hybrid, list(plan.prefill_lengths[-2:]), plan.prefill_repeats)
+                if HUGETLB:
+                    work.mkdir()
+                    progress(f"throughput: {n}-token cache, GLIBC_TUNABLES={HUGETLB}")
+                    out["throughput_hugetlb"].append(cases.throughput_child(work, plan.shape, n, repeats, {"GLIBC_TUNABLES": HUGETLB}))
+                    shutil.rmtree(work, ignore_errors=True)
+        if "lookup" in chosen:
+            progress("lookup latency vs store size")
+            out["lookup"] = cases.lookup(tmp, plan.lookup_sizes, plan.lookup_repeats)
+        if "eviction" in chosen:
+            progress("eviction vs store size")
+            out["eviction"] = cases.eviction(tmp, plan.evict_sizes, 21 if not quick else 5)
+        if "row_save" in chosen:
+            progress("row save from a batch of 8")
+            out["row_save"] = cases.row_save(tmp, plan.shape, plan.row_tokens)
+        if "prefill" in chosen:
+            progress("restore vs prefill on the fixture hybrid")
+            out["prefill"] = cases.restore_vs_prefill(tmp, hybrid, plan.prefill_lengths, plan.prefill_repeats)
+        out.update(_sharing_cases(tmp, plan, progress, chosen))
+        if "draft" in chosen:
+            progress("speculative decoding on the fixture hybrid: no draft, self-draft, a smaller draft")
+            out["draft"] = draft_cases(5 if not quick else 1, 64 if not quick else 8, model_dir=hybrid, workdir=tmp)
+        if "remote" in chosen:
+            progress(f"remote tier: {plan.sizes[0]}-token cache through a local redis-server")
+            (tmp / "remote").mkdir()
+            out["remote"] = remote_cases(tmp / "remote", plan.shape, plan.sizes[0], 5 if not quick else 2)
+            progress("remote tier: time to first token on a second store, the prompt prefilled by the first")
+            (tmp / "remote-ttft").mkdir()
+            out["remote_ttft"] = remote_ttft(tmp / "remote-ttft", hybrid, list(plan.prefill_lengths[-2:]), plan.prefill_repeats)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.time() - started
@@ -176,24 +201,28 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
     return out
 
 
-def _sharing_cases(tmp: Path, plan: Plan, progress: Callable[[str], None]) -> Dict[str, Any]:
-    """The shared-block cases, each in a scratch directory removed afterwards."""
-    out: Dict[str, Any] = {"chat": {}}
+def _sharing_cases(tmp: Path, plan: Plan, progress: Callable[[str], None], chosen: Sequence[str]) -> Dict[str, Any]:
+    """The shared-block cases among ``chosen``, each in a scratch directory removed afterwards."""
+    out: Dict[str, Any] = {}
     c = plan.chat
-    for name, shape in (("dense", plan.dense), ("hybrid", plan.shape)):
-        progress(f"{c.turns}-turn chat through PersistentPromptCache, {name} cache")
-        out["chat"][name] = {**serve_chat(tmp / f"chat-{name}", shape, c), "shape": shape_name(shape)}
-        shutil.rmtree(tmp / f"chat-{name}", ignore_errors=True)
-    out["shared_prompt"] = []
-    for first in (True, False):
-        progress(f"{plan.shared[0]} conversations sharing a {plan.shared[1]}-token system prompt"
-                 + ("" if first else ", no system-prompt entry"))
-        out["shared_prompt"].append(sharing.shared_prompt(tmp / "shared", plan.dense, *plan.shared, system_entry=first))
-        shutil.rmtree(tmp / "shared", ignore_errors=True)
-    progress(f"prefix hit: {plan.prefix[1]} tokens of a {plan.prefix[0]}-token entry")
-    out["prefix_read"] = sharing.entry_reads(tmp / "prefix", plan.dense, *plan.prefix, 3)
-    shutil.rmtree(tmp / "prefix", ignore_errors=True)
-    if plan.block_sizes:
+    if "chat" in chosen:
+        out["chat"] = {}
+        for name, shape in (("dense", plan.dense), ("hybrid", plan.shape)):
+            progress(f"{c.turns}-turn chat through PersistentPromptCache, {name} cache")
+            out["chat"][name] = {**serve_chat(tmp / f"chat-{name}", shape, c), "shape": shape_name(shape)}
+            shutil.rmtree(tmp / f"chat-{name}", ignore_errors=True)
+    if "shared_prompt" in chosen:
+        out["shared_prompt"] = []
+        for first in (True, False):
+            progress(f"{plan.shared[0]} conversations sharing a {plan.shared[1]}-token system prompt"
+                     + ("" if first else ", no system-prompt entry"))
+            out["shared_prompt"].append(sharing.shared_prompt(tmp / "shared", plan.dense, *plan.shared, system_entry=first))
+            shutil.rmtree(tmp / "shared", ignore_errors=True)
+    if "prefix_read" in chosen:
+        progress(f"prefix hit: {plan.prefix[1]} tokens of a {plan.prefix[0]}-token entry")
+        out["prefix_read"] = sharing.entry_reads(tmp / "prefix", plan.dense, *plan.prefix, 3)
+        shutil.rmtree(tmp / "prefix", ignore_errors=True)
+    if plan.block_sizes and "block_sizes" in chosen:
         progress(f"block sizes {', '.join(map(str, plan.block_sizes))}: chat, shared prompt, long entry")
         out["block_sizes"] = sharing.block_sizes(tmp, plan.dense, plan.block_sizes, c, plan.shared, plan.prefix, repeats=3)
     return out
