@@ -9,6 +9,7 @@ from conftest import ROOT
 from _samples import assert_same
 from promptstore.format import _entry, _payload
 from promptstore.codecs import codecs, encode_layer
+from promptstore.errors import CorruptEntry
 
 GOLDEN = ROOT / "fixtures" / "golden"
 
@@ -101,6 +102,29 @@ def test_golden_shared_block_entries_read():
         assert len(same) >= len(short.bounds) - 1
         for (_, a), (_, b) in zip(long_.parted(), short.parted()):
             assert [a.parts[i] == b.parts[i] for i in range(len(short.bounds))] == [i in same for i in range(len(short.bounds))]
+
+
+@pytest.mark.parametrize("damage", ["text", "short", "long", "missing", "extra", "not-a-list"])
+def test_malformed_block_references_are_refused(damage):
+    """A manifest whose block references are not one 16-byte address per
+    block bound is damaged: refused, whatever the damage."""
+    doc = msgpack.unpackb((GOLDEN / "entry-format" / f"v{_entry.BLOCKS_FORMAT}.msgpack").read_bytes(), raw=False)
+    raw = doc["entries"][0]["manifest"]
+    assert _entry.unpack_manifest(raw, "golden").intact
+    man = msgpack.unpackb(raw, raw=False)
+    arrays = [ra for layer in man["layers"] for ra in layer["arrays"] if len(ra) == 7]
+    parts = arrays[0][6]
+    assert parts and all(isinstance(k, bytes) and len(k) == _entry.ADDRESS for k in parts)
+    arrays[0][6] = {
+        "text": parts[:-1] + [parts[-1].hex()[:16]],
+        "short": parts[:-1] + [parts[-1][:-1]],
+        "long": parts[:-1] + [parts[-1] + b"\0"],
+        "missing": parts[:-1],
+        "extra": parts + parts[-1:],
+        "not-a-list": parts[0],
+    }[damage]
+    with pytest.raises(CorruptEntry, match="malformed block references"):
+        _entry.unpack_manifest(msgpack.packb(man, use_bin_type=True), "golden")
 
 
 def test_golden_pack_entries_read(tmp_path):

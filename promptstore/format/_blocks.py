@@ -26,6 +26,7 @@ second branch on, the shared prefix's last, partial block is shared too.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence, Tuple
 
@@ -65,14 +66,26 @@ def plan_bounds(base: Sequence[int], shared: int, n: int, step: int = BLOCK_TOKE
 
 
 def header(kind: str, version: int, dtype: str, shape: Sequence[int]) -> bytes:
+    return _header(kind, version, dtype, tuple(shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _header(kind: str, version: int, dtype: str, shape: Tuple[int, ...]) -> bytes:
+    # An entry's blocks have a few shapes (full blocks, the last one): formatted once.
     return f"{kind}\0{version}\0{dtype}\0{','.join(map(str, shape))}\0".encode()
+
+
+@functools.lru_cache(maxsize=1024)
+def _hashed_header(kind: str, version: int, dtype: str, shape: Tuple[int, ...]) -> Any:
+    """An XXH3-128 state that has absorbed the header: copied for each block (never updated itself)."""
+    return xxhash.xxh3_128(_header(kind, version, dtype, shape))
 
 
 def address(kind: str, version: int, dtype: str, shape: Sequence[int], data: Any) -> bytes:
     """The content address of a block: ``data`` is its bytes in C order, or a
     ``[rows, tokens, width]`` view of them whose rows are each contiguous
     (hashed row by row, no copy)."""
-    h = xxhash.xxh3_128(header(kind, version, dtype, shape))
+    h = _hashed_header(kind, version, dtype, tuple(shape)).copy()
     if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
         for row in data:
             h.update(row)

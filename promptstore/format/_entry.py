@@ -355,7 +355,8 @@ def _bounds(doc: dict, fmt: int, n_tokens: int, where: str) -> Tuple[int, ...]:
 
 def _parts(raw: Any, bounds: Tuple[int, ...], shape: Any, lw: str, name: Any) -> Tuple[bytes, ...]:
     """The block addresses of a shared array: one per bound, over its token axis."""
-    if not (isinstance(raw, list) and len(raw) == len(bounds) and all(isinstance(k, bytes) and len(k) == ADDRESS for k in raw)):
+    # set(map(...)): checked at C speed, a long entry names thousands of blocks
+    if not (isinstance(raw, list) and len(raw) == len(bounds) and set(map(type, raw)) == {bytes} and set(map(len, raw)) == {ADDRESS}):
         raise CorruptEntry(f"{lw}: array {name!r} has malformed block references")
     if not (isinstance(shape, list) and len(shape) >= 2 and shape[-2] == bounds[-1]):
         raise CorruptEntry(f"{lw}: array {name!r} of shape {shape} does not span the entry's {bounds[-1]} tokens")

@@ -230,10 +230,10 @@ def assemble(
     parted = list(man.parted())
     # Every block is found and its size checked before anything is allocated:
     # a manifest (damaged, or crafted) may claim arrays of any size.
-    found: List[List[Any]] = []
+    found: List[List[Tuple[bytes, Tuple[int, ...], Any]]] = []  # per array: (address, shape, where) of each block
     for li, rec in parted:
         size = _entry.DTYPES[rec.dtype].size
-        raws, start = [], 0
+        blocks, start = [], 0
         for key, end in zip(rec.parts or (), man.bounds):
             raw = find_block(key)
             if raw is None:
@@ -244,32 +244,33 @@ def assemble(
                     raise CorruptEntry(f"{where}: block {key.hex()} has {len(raw)} bytes, expected shape {shape} {rec.dtype}")
                 if release is not None:  # finding a value maps the pages around its first one: drop them at once
                     release(raw)
-            raws.append(raw)
+            blocks.append((key, shape, raw))
             start = end
-        found.append(raws)
+        found.append(blocks)
     small = fd is None and sum(rec.nbytes for _, rec in parted) < _SMALL
 
     def blocks_of(i: int, whole: np.ndarray) -> List[_Block]:
         """Array ``i``'s blocks into ``whole`` (its bytes): those in the map
         copied here, those in files returned to be read."""
-        (li, rec), raws = parted[i], found[i]
+        li, rec = parted[i]
         layer = man.layers[li]
         size = _entry.DTYPES[rec.dtype].size
         rows = whole.reshape(-1, rec.shape[-2], rec.shape[-1] * size)
         from_files: List[_Block] = []
         start = 0
-        for key, end, raw in zip(rec.parts or (), man.bounds, raws):
-            t = _Block(key, layer.kind, layer.version, rec.dtype, _blocks.block_shape(rec.shape, start, end), size, raw, rows[:, start:end, :])
+        for (key, shape, raw), end in zip(found[i], man.bounds):
+            dest = rows[:, start:end, :]
             start = end
             at = offset(raw) if offset is not None and fd is not None and not isinstance(raw, InFile) else None
             if isinstance(raw, InFile) or at is not None:
-                from_files.append(t)
+                t = _Block(key, layer.kind, layer.version, rec.dtype, shape, size, raw, dest)
                 t.file = raw if isinstance(raw, InFile) else InFile(fd, at)  # type: ignore[arg-type]
+                from_files.append(t)
                 continue
-            _blocks.check(t.key, t.kind, t.version, t.dtype, t.shape, t.itemsize, t.raw, where)
-            t.rows[...] = np.frombuffer(t.raw, dtype=np.uint8).reshape(t.rows.shape)
+            _blocks.check(key, layer.kind, layer.version, rec.dtype, shape, size, raw, where)
+            dest[...] = np.frombuffer(raw, dtype=np.uint8).reshape(dest.shape)
             if release is not None:
-                release(t.raw)
+                release(raw)
         return from_files
 
     def read(indices: Sequence[int], hosts: List[np.ndarray]) -> None:
