@@ -108,15 +108,16 @@ def test_a_prefix_hit_on_a_window_reads_its_first_blocks(tmp_path):
         assert all(bits_equal(x, y) for x, y in zip(a, b))
 
 
-def test_gemma3_chat_inside_its_window_shares_and_continues_greedily(tmp_path):
+def test_gemma3_chat_inside_its_window_shares_and_continues_greedily(tmp_path, monkeypatch):
     """The sliding-window fixture with its window widened past the chat: each
     turn restores the previous entry, prefills its new tokens and is stored;
     the windows' blocks are shared, and greedy decoding from the restored
     conversation equals decoding from the cache that was stored, logits bit
     for bit."""
     model, _, _, _ = load_fixture("gemma3_text")
-    model.args.sliding_window = 512  # the caches it makes
-    model.model.window_size = 512  # the attention masks
+    # load_fixture's model is shared by every test of the process: widened here only
+    monkeypatch.setattr(model.args, "sliding_window", 512)  # the caches it makes
+    monkeypatch.setattr(model.model, "window_size", 512)  # the attention masks
     tokens = sample_tokens(3 * 100 + 1, seed=5)
     with PromptStore(tmp_path / "s") as store:
         cache = make_prompt_cache(model)
