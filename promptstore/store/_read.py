@@ -283,6 +283,23 @@ def assemble(
     dests: List[Any]
     if not small and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
         dests = _blank.ahead(sizes, read)
+    elif not small and _blank.slabbed():  # the arrays in shared buffers, each written inside mlx's loader
+        place, slab_sizes = _payload.slabs(sizes)
+        members: Dict[int, List[int]] = {}
+        for i, (b, _) in place.items():
+            members.setdefault(b, []).append(i)
+
+        def fill_slab(b: int, view: memoryview) -> None:
+            host = np.frombuffer(view, dtype=np.uint8)
+            if threads and not _fill.resident(host):  # the loader's buffer: populated at once, not by each lane
+                _fill.populate(host)
+            tasks = [t for i in members[b] for t in blocks_of(i, host[place[i][1] : place[i][1] + sizes[i]])]
+            if tasks:  # a lane per block: the buffer's blocks are read at once
+                _read_blocks([(host, [t]) for t in tasks], where, threads, populate=False)
+
+        slab_arrays = _blank.filled(slab_sizes, fill_slab)
+        dests = [slab_arrays[place[i][0]][place[i][1] : place[i][1] + n] if i in place else mx.zeros((0,), mx.uint8)
+                 for i, n in enumerate(sizes)]
     elif not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
 
         def fill(i: int, view: memoryview) -> None:
