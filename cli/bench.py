@@ -145,7 +145,8 @@ def render(res: Dict[str, Any]) -> str:
             add(f"| {r['entries']} | {r['put'] * 1e3:.2f} | {r['put_evict'] * 1e3:.2f} |")
         add("")
         add("Durable puts of an 8-token entry; with the budget at the store's usage each put evicts the least "
-            "recently used entry, found by walking the ordered last-use index (`lru`) from its start.")
+            "recently used entry, found by walking the ordered last-use index (`lru`) from its start. The stores are "
+            "built first, then their puts run interleaved, one into each per round.")
         add("")
     d = res.get("draft")
     if d:

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -356,33 +356,43 @@ def eviction(workdir: Path, sizes: Sequence[int], repeats: int) -> List[Dict[str
     """Time of a put that evicts the least recently used entry, in stores of
     ``sizes`` entries (8-token entries of a tiny cache; the budget set to the
     store's usage, so every put evicts exactly one). ``put_evict``: median of
-    those puts; ``put``: median of the same puts into the store without a budget."""
+    those puts; ``put``: median of the same puts into the store without a budget.
+
+    Every store is built first; then the puts run interleaved, one into each
+    store per round (:func:`interleaved`), so that a drift of the machine's
+    fsync latency over the minutes a large store takes to build weighs on
+    every size alike."""
     rng = np.random.default_rng(5)
-    results = []
 
     def tokens(i: int) -> List[int]:  # entries of one size: each evicting put evicts about one
         return [3 + i // 65536, 3 + i % 65536] + rng.integers(3, 150_000, 6).tolist()
 
-    for size in sizes:
-        path = workdir / f"evict-{size}"
+    paths = [workdir / f"evict-{size}" for size in sizes]
+    for size, path in zip(sizes, paths):
         with data.unsynced_lmdb(), PromptStore(path) as store:
             for i in range(size):
                 store.put(MODEL, tokens(i), data.tiny_kv(8))
             store.env.env.sync(True)
-        with PromptStore(path) as store:
-            fresh = iter(range(size, 2 * size + 2 * repeats + 1))
+    stores = [PromptStore(path) for path in paths]
+    try:
 
-            def put() -> None:
-                store.put(MODEL, tokens(next(fresh)), data.tiny_kv(8))
+        def put(store: PromptStore, fresh: Iterator[int]) -> Callable[[], None]:
+            return lambda: store.put(MODEL, tokens(next(fresh)), data.tiny_kv(8))
 
-            plain = median_time(put, repeats)
+        ops = {str(size): (None, put(store, iter(range(size, 2 * size + 2 * repeats + 1)))) for size, store in zip(sizes, stores)}
+        plain = interleaved(ops, repeats)
+        for store in stores:
             store.set_budget(store.usage())
-            evicting = median_time(put, repeats)
+        evicting = interleaved(ops, repeats)
+        for size, store in zip(sizes, stores):
             if len(list(store.entries())) > size + repeats + 2:  # the first entry's is larger: slack for a put or two
                 raise RuntimeError("the puts did not evict")
-        results.append({"entries": size, "put": plain, "put_evict": evicting})
-        shutil.rmtree(path, ignore_errors=True)
-    return results
+    finally:
+        for store in stores:
+            store.close()
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+    return [{"entries": size, "put": plain[str(size)], "put_evict": evicting[str(size)]} for size in sizes]
 
 
 def row_save(workdir: Path, shape: data.Shape, n_tokens: int, rows: int = 8, seed: int = 0) -> Dict[str, Any]:
