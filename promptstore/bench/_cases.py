@@ -376,7 +376,7 @@ def eviction(workdir: Path, sizes: Sequence[int], repeats: int) -> List[Dict[str
     stores = [PromptStore(path) for path in paths]
     try:
 
-        def put(store: PromptStore, fresh: Iterator[int]) -> Callable[[], None]:
+        def put(store: PromptStore, fresh: Iterator[int]) -> Callable[[], Any]:
             return lambda: store.put(MODEL, tokens(next(fresh)), data.tiny_kv(8))
 
         ops = {str(size): (None, put(store, iter(range(size, 2 * size + 2 * repeats + 1)))) for size, store in zip(sizes, stores)}
