@@ -99,8 +99,9 @@ def slabbed() -> bool:
     loader tensor per buffer, instead of one per array: only where
     ``PROMPTSTORE_RESTORE`` says ``slabs``. mlx's CUDA loader pays a host
     allocation, a call back into Python and a copy to the device per tensor,
-    and a restore has about a hundred; not yet measured on a GPU
-    (docs/gpu.md), so the CUDA default stays ``staged``."""
+    and a restore has about a hundred; yet on an H200 a 4K-token get was
+    slower this way (1.56 against 1.82 GB/s, docs/gpu.md), so the CUDA
+    default stays ``staged``."""
     return _mode() == "slabs"
 
 
