@@ -25,12 +25,12 @@ from promptstore import CorruptEntry, PromptStore
 from promptstore.format import _blank, _blobs, _fill
 
 
-@pytest.fixture(params=["staged", "slabs", "ahead"])
+@pytest.fixture(params=["staged", "ahead"])
 def staged(request, monkeypatch):
     """Every large restore staged, each tensor read when mlx's loader asks
-    for it (``staged``, the CUDA default), the arrays of shared blocks in
-    shared buffers (``slabs``), or read ahead of the loader (``ahead``); the
-    direct path's allocator refuses, so nothing falls back to it unseen."""
+    for it (``staged``, the CUDA default), or read ahead of the loader
+    (``ahead``); the direct path's allocator refuses, so nothing falls back
+    to it unseen."""
     monkeypatch.setenv("PROMPTSTORE_RESTORE", request.param)
 
     def refuse(sizes):
@@ -179,43 +179,15 @@ def test_a_loader_that_reads_in_pieces_gets_every_byte_once_filled():
 
 def test_staged_is_the_cuda_default_and_the_variable_overrides(monkeypatch):
     monkeypatch.delenv("PROMPTSTORE_RESTORE", raising=False)
-    assert _blank.staged() == (_blank.backend() == "cuda") and not _blank.reads_ahead() and not _blank.slabbed()
+    assert _blank.staged() == (_blank.backend() == "cuda") and not _blank.reads_ahead()
     monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
-    assert _blank.staged() and not _blank.reads_ahead() and not _blank.slabbed()
+    assert _blank.staged() and not _blank.reads_ahead()
     monkeypatch.setenv("PROMPTSTORE_RESTORE", " Ahead")
-    assert _blank.staged() and _blank.reads_ahead() and not _blank.slabbed()
-    monkeypatch.setenv("PROMPTSTORE_RESTORE", "SLABS")
-    assert _blank.staged() and not _blank.reads_ahead() and _blank.slabbed()
+    assert _blank.staged() and _blank.reads_ahead()
     monkeypatch.setenv("PROMPTSTORE_RESTORE", "Direct")
-    assert not _blank.staged() and not _blank.reads_ahead() and not _blank.slabbed()
-
-
-def test_slabs_load_the_shared_arrays_in_few_tensors(tmp_path, monkeypatch):
-    """``slabs``: the arrays of shared blocks come from a few loader tensors
-    of up to 64 MiB, where ``staged`` asks the loader for one per array;
-    both restore the same bytes."""
-    loads = []
-    filled = _blank.filled
-
-    def counting(sizes, fill):
-        loads.append(list(sizes))
-        return filled(sizes, fill)
-
-    monkeypatch.setattr(_blank, "filled", counting)
-    cache = _cache(11, tokens=4096)  # 4 x 2 arrays of 8 MiB in blocks, the recurrent arrays in the payload
-    with PromptStore(tmp_path / "s") as store:
-        store.put(MODEL, list(range(4096)), cache)
-        got = {}
-        for mode in ("staged", "slabs"):
-            monkeypatch.setenv("PROMPTSTORE_RESTORE", mode)
-            loads.clear()
-            got[mode] = store.get(MODEL, list(range(4096)))
-            assert same_cache(got[mode], cache), mode
-            got[mode + " loads"] = [len(sizes) for sizes in loads]
-    assert got["staged loads"] == [1, 8]  # the payload's one buffer, then one tensor per shared array
-    assert got["slabs loads"] == [1, 2]  # the payload's, then 8 arrays of 8 MiB (+ slack) in two 64 MiB buffers
-    for layer in got["slabs"][:4]:  # views into the shared buffers, usable as arrays
-        assert mx.array_equal(layer.keys * 2, layer.values).item()
+    assert not _blank.staged() and not _blank.reads_ahead()
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "slabs")  # unknown (a mode until measured slower on both backends): the default
+    assert _blank.staged() == (_blank.backend() == "cuda") and not _blank.reads_ahead()
 
 
 def test_ahead_reads_every_tensor_once_in_order_of_groups(monkeypatch):

@@ -4,7 +4,7 @@ Run as ``python -m promptstore.bench._restore [TOKENS,...] [THREADS,...] [MODES,
 (default ``4096,32768``, ``auto`` and ``default``): for each cache size, each
 number of fill threads (``auto``: the default, else ``PROMPTSTORE_FILL_THREADS``)
 and each restore mode (``default``: the backend's, else ``PROMPTSTORE_RESTORE``:
-``direct``, ``staged``, ``slabs`` or ``ahead``, see ``format._blank``), the bench's
+``direct``, ``staged`` or ``ahead``, see ``format._blank``), the bench's
 throughput case in a fresh process, then the peak memory of a get of the
 entry it left, both on the Qwen3-Next-80B-shaped cache; one JSON line each,
 with the ratios the bench judges. The full ``promptstore bench``

@@ -80,7 +80,7 @@ class _Unwritten(io.RawIOBase):
 
 def _mode() -> str:
     mode = os.environ.get("PROMPTSTORE_RESTORE", "").strip().lower()
-    if mode in ("staged", "slabs", "ahead", "direct"):
+    if mode in ("staged", "ahead", "direct"):
         return mode
     return "staged" if backend() == "cuda" else "direct"
 
@@ -88,21 +88,9 @@ def _mode() -> str:
 def staged() -> bool:
     """Whether restores write each buffer inside mlx's loader (:func:`filled`)
     rather than after it (:func:`blank`): on the CUDA backend, or where
-    ``PROMPTSTORE_RESTORE`` says ``staged``, ``slabs`` or ``ahead``
+    ``PROMPTSTORE_RESTORE`` says ``staged`` or ``ahead``
     (``direct`` forces the other)."""
     return _mode() != "direct"
-
-
-def slabbed() -> bool:
-    """Whether a staged restore of shared blocks loads its arrays in shared
-    buffers of up to 64 MiB (as a blob entry's arrays always are), one
-    loader tensor per buffer, instead of one per array: only where
-    ``PROMPTSTORE_RESTORE`` says ``slabs``. mlx's CUDA loader pays a host
-    allocation, a call back into Python and a copy to the device per tensor,
-    and a restore has about a hundred; yet on an H200 a 4K-token get was
-    slower this way (1.56 against 1.82 GB/s, docs/gpu.md), so the CUDA
-    default stays ``staged``."""
-    return _mode() == "slabs"
 
 
 def reads_ahead() -> bool:

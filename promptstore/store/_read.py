@@ -279,14 +279,13 @@ def assemble(
         if any(tasks for _, tasks in groups):
             _read_blocks([g for g in groups if g[1]], where, threads)
 
-    def fill(view: memoryview, members: Sequence[Tuple[int, int]]) -> None:
-        """Arrays ``(index, start)`` into ``view``, a buffer of mlx's loader:
-        populated at once (not by each lane), then a lane per block, the
-        buffer's blocks read at once."""
+    def fill(i: int, view: memoryview) -> None:
+        """Array ``i`` into ``view``, a buffer of mlx's loader: populated at
+        once (not by each lane), then a lane per block, its blocks read at once."""
         host = np.frombuffer(view, dtype=np.uint8)
         if threads and not _fill.resident(host):
             _fill.populate(host)
-        tasks = [t for i, start in members for t in blocks_of(i, host[start : start + sizes[i]])]
+        tasks = blocks_of(i, host)
         if tasks:
             _read_blocks([(host, [t]) for t in tasks], where, threads, populate=False)
 
@@ -294,16 +293,8 @@ def assemble(
     dests: List[Any]
     if not small and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
         dests = _blank.ahead(sizes, read)
-    elif not small and _blank.slabbed():  # the arrays in shared buffers, each written inside mlx's loader
-        place, slab_sizes = _payload.slabs(sizes)
-        members: Dict[int, List[Tuple[int, int]]] = {}
-        for i, (b, start) in place.items():
-            members.setdefault(b, []).append((i, start))
-        slab_arrays = _blank.filled(slab_sizes, lambda b, view: fill(view, members[b]))
-        dests = [slab_arrays[place[i][0]][place[i][1] : place[i][1] + n] if i in place else mx.zeros((0,), mx.uint8)
-                 for i, n in enumerate(sizes)]
     elif not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
-        dests = _blank.filled(sizes, lambda i, view: fill(view, [(i, 0)]))
+        dests = _blank.filled(sizes, fill)
     else:
         # A small restore fills numpy buffers and copies them into mlx at the end:
         # mlx's loader (_blank) costs more than copying a few hundred kB again.
