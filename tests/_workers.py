@@ -179,36 +179,36 @@ def _warm_up(fd: int) -> None:
         _say(fd, "W")
 
 
-def _await_warm(fd: int) -> str:
-    """Wait for a cold worker's ``W`` line on ``fd`` (read byte by byte, so the
-    worker's later lines stay in the pipe); nothing to wait for when warm.
-    Returns what was read instead of ``W`` (the worker failed first: its
-    error line), for the caller to put before the rest of the pipe."""
-    if WARM:
-        return ""
+def _read_line(fd: int) -> bytes:
+    """One line of ``fd``, read byte by byte so the lines after it stay in
+    the pipe; shorter, without its newline, when the pipe ends first."""
     line = b""
     while not line.endswith(b"\n"):
         byte = os.read(fd, 1)
         if not byte:
             break  # the worker died first: its pipe says why
         line += byte
+    return line
+
+
+def _await_warm(fd: int) -> str:
+    """Wait for a cold worker's ``W`` line on ``fd``; nothing to wait for
+    when warm. Returns what was read instead of ``W`` (the worker failed
+    first: its error line), for the caller to put before the rest of the pipe."""
+    if WARM:
+        return ""
+    line = _read_line(fd)
     return "" if line == b"W\n" else line.decode()
 
 
 def _await_line(fd: int, starts: tuple) -> str:
-    """Read ``fd`` line by line (byte by byte, so later lines stay in the
-    pipe) up to and including the first line starting with one of
+    """Read ``fd`` up to and including the first line starting with one of
     ``starts``, or to the end of the pipe; returns what was read."""
     got = b""
     while True:
-        line = b""
-        while not line.endswith(b"\n"):
-            byte = os.read(fd, 1)
-            if not byte:
-                return (got + line).decode()
-            line += byte
+        line = _read_line(fd)
         got += line
-        if line.decode().startswith(starts):
+        if not line.endswith(b"\n") or line.decode().startswith(starts):
             return got.decode()
 
 

@@ -88,8 +88,8 @@ def _mode() -> str:
 def staged() -> bool:
     """Whether restores write each buffer inside mlx's loader (:func:`filled`)
     rather than after it (:func:`blank`): on the CUDA backend, or where
-    ``PROMPTSTORE_RESTORE`` says ``staged`` or ``ahead``
-    (``direct`` forces the other)."""
+    ``PROMPTSTORE_RESTORE`` says ``staged`` or ``ahead`` (``direct`` forces
+    the other)."""
     return _mode() != "direct"
 
 

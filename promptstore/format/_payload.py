@@ -167,34 +167,6 @@ _SLAB = 64 << 20  # restored arrays share buffers of up to this size
 _ALIGN = 64
 
 
-def slabs(nbytes: Sequence[int]) -> Tuple[Dict[int, Tuple[int, int]], List[int]]:
-    """Arrays of ``nbytes`` packed into shared buffers: ``(place, sizes)``.
-
-    ``place[i]`` is array ``i``'s buffer and the start of its room there
-    (arrays of no bytes have none), ``sizes`` each buffer's bytes. A room
-    holds the array's bytes plus 64 bytes of slack and starts 64-byte
-    aligned; buffers hold up to 64 MiB, and a larger array gets its own.
-    """
-    place: Dict[int, Tuple[int, int]] = {}  # array -> (buffer, start of its room)
-    sizes: List[int] = []
-    slab: Optional[int] = None  # the buffer arrays are being packed into
-    for i, n in enumerate(nbytes):
-        if not n:
-            continue
-        room = n + _ALIGN
-        if room > _SLAB:
-            place[i] = (len(sizes), 0)
-            sizes.append(room)
-            continue
-        start = 0 if slab is None else -(-sizes[slab] // _ALIGN) * _ALIGN
-        if slab is None or start + room > _SLAB:
-            slab, start = len(sizes), 0
-            sizes.append(0)
-        place[i] = (slab, start)
-        sizes[slab] = start + room
-    return place, sizes
-
-
 def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> List[Dict[str, mx.array]]:
     """Read the payload with ``pread`` from the data file, chunk ``i`` being
     at file offset ``offsets[i]``, into fresh mlx arrays; verify checksums.
@@ -222,7 +194,23 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     StoreError when reading fails.
     """
     recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
-    place, sizes = slabs([rec.nbytes for _, rec in recs])
+    place: Dict[int, Tuple[int, int]] = {}  # array -> (buffer, start of its room)
+    sizes: List[int] = []
+    slab: Optional[int] = None  # the buffer arrays are being packed into
+    for i, (_, rec) in enumerate(recs):
+        if not rec.nbytes:
+            continue
+        room = rec.nbytes + _ALIGN
+        if room > _SLAB:
+            place[i] = (len(sizes), 0)
+            sizes.append(room)
+            continue
+        start = 0 if slab is None else -(-sizes[slab] // _ALIGN) * _ALIGN
+        if slab is None or start + room > _SLAB:
+            slab, start = len(sizes), 0
+            sizes.append(0)
+        place[i] = (slab, start)
+        sizes[slab] = start + room
     segments: Dict[int, List[Tuple[int, int]]] = {}  # array -> its (file offset, length) pieces
     for i in place:
         rec, pieces, apos = recs[i][1], [], 0

@@ -279,21 +279,20 @@ def assemble(
         if any(tasks for _, tasks in groups):
             _read_blocks([g for g in groups if g[1]], where, threads)
 
-    def fill(i: int, view: memoryview) -> None:
-        """Array ``i`` into ``view``, a buffer of mlx's loader: populated at
-        once (not by each lane), then a lane per block, its blocks read at once."""
-        host = np.frombuffer(view, dtype=np.uint8)
-        if threads and not _fill.resident(host):
-            _fill.populate(host)
-        tasks = blocks_of(i, host)
-        if tasks:
-            _read_blocks([(host, [t]) for t in tasks], where, threads, populate=False)
-
     sizes = [rec.nbytes for _, rec in parted]
     dests: List[Any]
     if not small and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
         dests = _blank.ahead(sizes, read)
     elif not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
+
+        def fill(i: int, view: memoryview) -> None:
+            whole = np.frombuffer(view, dtype=np.uint8)
+            if threads and not _fill.resident(whole):  # the loader's buffer: populated at once, not by each lane
+                _fill.populate(whole)
+            tasks = blocks_of(i, whole)
+            if tasks:  # a lane per block: this array's blocks are read at once
+                _read_blocks([(whole, [t]) for t in tasks], where, threads, populate=False)
+
         dests = _blank.filled(sizes, fill)
     else:
         # A small restore fills numpy buffers and copies them into mlx at the end:
