@@ -25,13 +25,17 @@ from promptstore import CorruptEntry, PromptStore
 from promptstore.format import _blank, _blobs, _fill
 
 
-@pytest.fixture(params=["staged", "ahead"])
+@pytest.fixture(params=["staged", "staged-3-loaders", "ahead"])
 def staged(request, monkeypatch):
     """Every large restore staged, each tensor read when mlx's loader asks
-    for it (``staged``, the CUDA default), or read ahead of the loader
-    (``ahead``); the direct path's allocator refuses, so nothing falls back
-    to it unseen."""
-    monkeypatch.setenv("PROMPTSTORE_RESTORE", request.param)
+    for it (``staged``, the CUDA default; with three ``mx.load`` calls at
+    once, ``staged-3-loaders``), or read ahead of the loader (``ahead``);
+    the direct path's allocator refuses, so nothing falls back to it
+    unseen."""
+    mode, _, loaders = request.param.partition("-")
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", mode)
+    if loaders:
+        monkeypatch.setenv("PROMPTSTORE_LOADERS", loaders.split("-")[0])
 
     def refuse(sizes):
         if not sizes:
@@ -125,7 +129,10 @@ def test_a_damaged_payload_fails_the_staged_get(tmp_path, monkeypatch, staged):
             store.get(MODEL, tokens)
 
 
-def test_filled_writes_each_tensor_with_fill_and_raises_its_error():
+@pytest.mark.parametrize("loaders", ["1", "3", "9"])
+def test_filled_writes_each_tensor_with_fill_and_raises_its_error(monkeypatch, loaders):
+    """One loader, or several at once (more than there are tensors, too)."""
+    monkeypatch.setenv("PROMPTSTORE_LOADERS", loaders)
     sizes = [5, 1 << 20, 3, 70_001]
     seen = []
 
@@ -146,6 +153,39 @@ def test_filled_writes_each_tensor_with_fill_and_raises_its_error():
 
     with pytest.raises(OSError, match="Input/output error"):
         _blank.filled(sizes, failing)
+
+
+def test_several_loaders_fill_at_once_and_all_finish_before_an_error(monkeypatch):
+    """With ``PROMPTSTORE_LOADERS=4`` the shares load on threads of their
+    own, at the same time; a fill that fails does not stop the others, and
+    ``filled`` raises only once every loader is done."""
+    monkeypatch.setenv("PROMPTSTORE_LOADERS", "4")
+    sizes = [1 << 16] * 8
+    inside, most, done = [0], [0], []
+    lock = threading.Lock()
+    both = threading.Barrier(4, timeout=10)
+
+    def fill(i, view):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        if i < 4:
+            both.wait()  # the first tensor of each share: all four loaders are inside fill at once
+        try:
+            if i == 1:
+                raise OSError(5, "Input/output error")
+            np.frombuffer(view, dtype=np.uint8)[:] = i
+            done.append(i)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    with pytest.raises(OSError, match="Input/output error"):
+        _blank.filled(sizes, fill)
+    assert most[0] == 4
+    # The shares are [0, 4], [1, 5], [2, 6], [3, 7]: the three others were
+    # filled whole before the raise (tensor 5 only if its loader asked first).
+    assert {0, 2, 3, 4, 6, 7} <= set(done) and 1 not in done
 
 
 def test_a_loader_that_reads_in_pieces_gets_every_byte_once_filled():

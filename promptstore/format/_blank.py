@@ -93,6 +93,18 @@ def staged() -> bool:
     return _mode() != "direct"
 
 
+def loaders() -> int:
+    """How many ``mx.load`` calls a staged restore runs at once, each on a
+    thread of its own with a share of the tensors (:func:`filled`):
+    ``PROMPTSTORE_LOADERS`` when it is a positive integer, else 1. mlx
+    evaluates a file object's tensors one after the other inside one
+    ``mx.load`` (its ``python/src/load.cpp``), so on the CUDA backend one
+    tensor's reads and its copy to the device never overlap another's;
+    several loaders let them."""
+    raw = os.environ.get("PROMPTSTORE_LOADERS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
 def reads_ahead() -> bool:
     """Whether a staged restore reads ahead of the loader (:func:`ahead`):
     only where ``PROMPTSTORE_RESTORE`` says ``ahead``. Built to overlap the
@@ -176,15 +188,48 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
     ``fill(i, view)`` writes into ``view`` (writable, ``sizes[i]`` bytes),
     from inside mlx's loader: on the CUDA backend into the loader's host
     buffer, which it then copies to the device. ``fill`` runs on an mlx
-    thread, one tensor at a time; the first exception it raises is raised
-    here, once the loader is done (the arrays are then not returned)."""
+    thread, one tensor at a time per loader (:func:`loaders`: with more
+    than one, shares of the tensors balanced by size load at once on
+    threads of their own, and ``fill`` may run on several threads at once);
+    the first exception it raises is raised here, once every loader is done
+    (the arrays are then not returned)."""
     if not sizes:
         return []
-    source = _Filling(_header(sizes), sizes, fill)
-    out = _load(source, len(sizes))
-    if source.error is not None:
-        raise source.error
-    return out
+    shares = [share for share in _fill.balance(sizes, min(loaders(), len(sizes))) if share]
+    out: List[Optional[mx.array]] = [None] * len(sizes)
+    errors: List[BaseException] = []
+
+    def load(share: List[int]) -> None:
+        share = sorted(share)  # the loader's reads then go forward through each share
+        part = [sizes[i] for i in share]
+        source = _Filling(_header(part), part, lambda j, view: fill(share[j], view))
+        try:
+            arrays = _load(source, len(share))
+        except BaseException as err:  # noqa: BLE001 - raised below, once every loader is done
+            errors.append(err)
+            return
+        if source.error is not None:
+            errors.append(source.error)
+            return
+        for i, arr in zip(share, arrays):
+            out[i] = arr
+
+    threads = [threading.Thread(target=load, args=(share,), name="promptstore-loader", daemon=True) for share in shares[1:]]
+    started = []
+    try:
+        for t in threads:
+            t.start()
+            started.append(t)
+    except RuntimeError:  # no new threads (the interpreter is exiting): the rest here, in turn
+        pass
+    load(shares[0])
+    for t in started:
+        t.join()  # no loader may still call ``fill`` once this returns
+    for share in shares[1 + len(started):]:
+        load(share)
+    if errors:
+        raise errors[0]
+    return cast(List[mx.array], out)
 
 
 _GROUP = 16 << 20  # ahead(): reads handed out together, at least this many bytes (or one tensor)

@@ -425,11 +425,12 @@ def _job(fd: int, host: np.ndarray, segments: Sequence[Tuple[int, int]], fresh: 
         return int(_XXH3.XXH3_64bits_digest(state))
 
 
-def balance(sizes: Sequence[int]) -> List[List[int]]:
-    """Indexes of ``sizes`` in :data:`WORKERS` lanes of about equal total
-    size: largest first, each to the lane with the least so far."""
-    lanes: List[List[int]] = [[] for _ in range(WORKERS)]
-    loads = [0] * WORKERS
+def balance(sizes: Sequence[int], n: int = 0) -> List[List[int]]:
+    """Indexes of ``sizes`` in ``n`` lanes (default :data:`WORKERS`) of about
+    equal total size: largest first, each to the lane with the least so far."""
+    n = n or WORKERS
+    lanes: List[List[int]] = [[] for _ in range(n)]
+    loads = [0] * n
     for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
         light = loads.index(min(loads))
         lanes[light].append(k)
