@@ -25,13 +25,13 @@ from promptstore import CorruptEntry, PromptStore
 from promptstore.format import _blank, _blobs, _fill
 
 
-@pytest.fixture(params=["staged", "staged-3-loaders", "ahead"])
+@pytest.fixture(params=["staged", "staged-1-loader", "ahead"])
 def staged(request, monkeypatch):
     """Every large restore staged, each tensor read when mlx's loader asks
-    for it (``staged``, the CUDA default; with three ``mx.load`` calls at
-    once, ``staged-3-loaders``), or read ahead of the loader (``ahead``);
-    the direct path's allocator refuses, so nothing falls back to it
-    unseen."""
+    for it (``staged``, the CUDA default: four ``mx.load`` calls at once,
+    the payload beside the blocks; ``staged-1-loader``: one, the payload
+    then the blocks), or read ahead of the loader (``ahead``); the direct
+    path's allocator refuses, so nothing falls back to it unseen."""
     mode, _, loaders = request.param.partition("-")
     monkeypatch.setenv("PROMPTSTORE_RESTORE", mode)
     if loaders:
@@ -118,15 +118,60 @@ def test_a_damaged_payload_fails_the_staged_get(tmp_path, monkeypatch, staged):
     with PromptStore(tmp_path / "s") as store:
         store.put(MODEL, tokens, cache)
         (blob,) = (tmp_path / "s" / "blobs").iterdir()
-        with open(blob, "r+b") as f:  # a bit in the middle of the payload
-            f.seek(os.path.getsize(blob) // 2)
-            byte = f.read(1)
-            f.seek(-1, io.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x08]))
+        _flip_middle(blob)  # a bit in the middle of the payload
         with pytest.raises(CorruptEntry, match="checksum mismatch"):
             store.get(MODEL, tokens)
         with pytest.raises(CorruptEntry):  # and again: nothing was cached or half-restored
             store.get(MODEL, tokens)
+
+
+def _blob_of(store, tmp_path):
+    (blob,) = (tmp_path / "s" / "blobs").iterdir()
+    return blob
+
+
+def _flip_middle(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, io.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x08]))
+
+
+def test_the_payload_is_read_beside_the_blocks_and_its_error_comes_first(tmp_path, monkeypatch):
+    """Staged with several loaders, an entry's blob payload is read on a
+    thread of its own while the blocks are assembled; damage to both is
+    reported as the payload's, as when the payload is read first, and a
+    blob that vanished is a lost entry, not a crash."""
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
+    cache, tokens = _cache(7), list(range(3, 1027))
+    readers = []
+    real = _blobs.Blobs.read
+
+    def read(self, man, where):
+        readers.append(threading.current_thread().name)
+        return real(self, man, where)
+
+    monkeypatch.setattr(_blobs.Blobs, "read", read)
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        (eid,) = [e.id for e in store.entries()]
+        assert same_cache(store.get(MODEL, tokens), cache)
+        assert readers == ["promptstore-payload"]
+        monkeypatch.setenv("PROMPTSTORE_LOADERS", "1")  # one loader: the payload first, on this thread
+        assert same_cache(store.get(MODEL, tokens), cache)
+        assert readers[1] == threading.current_thread().name
+        monkeypatch.delenv("PROMPTSTORE_LOADERS")
+        flip_block(store, blocks_of(store, eid)[2])
+        with pytest.raises(CorruptEntry, match="does not match its address"):
+            store.get(MODEL, tokens)
+        _flip_middle(_blob_of(store, tmp_path))
+        with pytest.raises(CorruptEntry, match="checksum mismatch"):
+            store.get(MODEL, tokens)
+        _blob_of(store, tmp_path).unlink()
+        with pytest.raises(CorruptEntry, match="missing"):
+            store.get(MODEL, tokens)
+        assert store.exists(MODEL, tokens)  # a get reports damage; it deletes nothing
 
 
 @pytest.mark.parametrize("loaders", ["1", "3", "9"])
