@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,54 +112,10 @@ class Reader:
             except PromptStoreError as err:
                 raise type(err)(f"{where} layer {li}: {err}") from err
         large = man.payload + man.shared_bytes >= _pages.MIN_PAYLOAD
-        if overlaps(man, large):
-            arrays = self._overlapped(txn, man, where)
-        else:
-            arrays = self._payload(txn, ekey, man.payload_only(), where, remembered, large)
-            if man.bounds:
-                self._assemble(txn, man, arrays, where, large)
+        arrays = self._payload(txn, ekey, man.payload_only(), where, remembered, large)
+        if man.bounds:
+            self._assemble(txn, man, arrays, where, large)
         return _entry.decode_layers(man, arrays, where)
-
-    def _overlapped(self, txn, man: _entry.Manifest, where: str) -> List[Dict[str, Any]]:
-        """A blob payload read on a thread of its own while this one
-        assembles the shared blocks (see :func:`overlaps`). The transaction
-        stays on this thread; the blob read needs none. Both are done before
-        this returns or raises; the payload's error comes first, as when the
-        payload is read first (a vanished blob is read again on a new
-        snapshot, :meth:`again`)."""
-        out: List[List[Dict[str, Any]]] = []
-        failed: List[BaseException] = []  # the payload's error, then the blocks'
-
-        def payload() -> None:
-            try:
-                arrays = self._blobs.read(man.payload_only(), where)
-                # Evaluated here: an array is evaluated on the stream of the
-                # thread that made it (mlx: "There is no Stream(cpu, 1) in
-                # current thread"); the views cost no copy.
-                mx.eval([a for layer in arrays for a in layer.values()])
-                out.append(arrays)
-            except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
-                failed.insert(0, err)
-
-        reader = threading.Thread(target=payload, name="promptstore-payload", daemon=True)
-        try:
-            reader.start()
-        except RuntimeError:  # no new threads (the interpreter is exiting): one after the other
-            arrays = self._blobs.read(man.payload_only(), where)
-            self._assemble(txn, man, arrays, where, True)
-            return arrays
-        shared: List[Dict[str, Any]] = [{} for _ in man.layers]
-        try:
-            self._assemble(txn, man, shared, where, True)
-        except BaseException as err:  # noqa: BLE001 - raised below, once the payload's read is done
-            failed.append(err)
-        reader.join()
-        if failed:
-            raise failed[0]
-        arrays = out[0]
-        for mine, blocks in zip(arrays, shared):
-            mine.update(blocks)
-        return arrays
 
     def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str, large: bool) -> None:
         db = self._db
@@ -236,15 +191,6 @@ class Reader:
         if min(len(b) for b in bufs) >= _pages._PAGE:
             data.remember(key, located)
         return arrays
-
-
-def overlaps(man: _entry.Manifest, large: bool) -> bool:
-    """Whether a restore reads the entry's blob payload and assembles its
-    shared blocks at the same time: where restores are staged with several
-    loaders (the CUDA default, ``format._blank``), each part's ``mx.load``
-    calls then overlap the other's. On an H200 a 4K-token get spent 22 ms on
-    the payload and 47 ms on the blocks, one after the other (docs/gpu.md)."""
-    return large and bool(man.bounds) and man.blob is not None and _blank.staged() and _blank.loaders() > 1
 
 
 @dataclass(frozen=True)
