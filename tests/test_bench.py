@@ -53,7 +53,8 @@ def test_quick_run_builds_its_fixture_and_reports_its_backend(quick):
     m = res["machine"]
     assert m["mlx"] == mx.__version__ and m["device"] == str(mx.default_device())
     assert m["backend"] == ("cpu" if mx.default_device() == mx.cpu else "metal" if mx.metal.is_available() else "cuda")
-    assert f"mlx {mx.__version__} on {mx.default_device()}" in md
+    assert m["restore"] == ("staged" if m["backend"] == "cuda" else "direct") and m["loaders"] == 4
+    assert f"mlx {mx.__version__} on {mx.default_device()}, restores {m['restore']}" in md
 
 
 def test_fixture_model_is_built_byte_identical_when_the_repository_has_none(tmp_path, monkeypatch):

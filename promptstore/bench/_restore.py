@@ -27,6 +27,7 @@ import mlx.core as mx
 from promptstore._backend import backend
 from promptstore.bench import _cases as cases
 from promptstore.bench import _data as data
+from promptstore.format import _blank
 
 _THREADS = "PROMPTSTORE_FILL_THREADS"
 _MODE = "PROMPTSTORE_RESTORE"
@@ -65,7 +66,7 @@ def main(argv: List[str]) -> None:
     threads = (argv[1] if len(argv) > 1 else "auto").split(",")
     modes = (argv[2] if len(argv) > 2 else "default").split(",")
     print(json.dumps({"backend": backend(), "device": str(mx.default_device()), "mlx": mx.__version__,  # type: ignore[attr-defined]
-                      "cpus": os.cpu_count()}), flush=True)
+                      "cpus": os.cpu_count(), "loaders": _blank.loaders()}), flush=True)
     for n in sizes:
         for th in threads:
             for mode in modes:

@@ -48,6 +48,7 @@ from promptstore.bench._fixture import HYBRID, fixture_model
 from promptstore.bench._draft import draft_cases
 from promptstore.bench._remote import remote_cases, remote_ttft
 from promptstore.bench._chat import Chat, serve_chat
+from promptstore.format import _blank
 
 __all__ = ["Plan", "FULL", "QUICK", "CASES", "run", "targets", "gbps"]
 
@@ -146,6 +147,8 @@ def run(quick: bool = False, workdir: Optional[Path] = None, progress: Callable[
             "mlx": mx.__version__,  # type: ignore[attr-defined]  # not in mlx's stubs
             "device": str(mx.default_device()),
             "backend": backend(),
+            "restore": _blank.mode(),  # how gets fill their buffers (format._blank)
+            "loaders": _blank.loaders(),  # mx.load calls at once, where restores are staged
             "scratch": str(tmp),
         },
     }

@@ -78,7 +78,11 @@ class _Unwritten(io.RawIOBase):
         return n
 
 
-def _mode() -> str:
+def mode() -> str:
+    """How large restores fill their buffers: ``staged`` (inside mlx's
+    loader, :func:`filled`; the CUDA default), ``ahead`` (read ahead of it,
+    :func:`ahead`) or ``direct`` (after it, :func:`blank`; elsewhere), as
+    ``PROMPTSTORE_RESTORE`` says, else the backend's default."""
     mode = os.environ.get("PROMPTSTORE_RESTORE", "").strip().lower()
     if mode in ("staged", "ahead", "direct"):
         return mode
@@ -90,7 +94,7 @@ def staged() -> bool:
     rather than after it (:func:`blank`): on the CUDA backend, or where
     ``PROMPTSTORE_RESTORE`` says ``staged`` or ``ahead`` (``direct`` forces
     the other)."""
-    return _mode() != "direct"
+    return mode() != "direct"
 
 
 def loaders() -> int:
@@ -114,7 +118,7 @@ def reads_ahead() -> bool:
     reads with the CUDA loader's copies to the device; on an H200 it gained
     5% at 4K tokens for twice the host memory (docs/gpu.md), so the CUDA
     default stays ``staged``: each tensor read when the loader asks for it."""
-    return _mode() == "ahead"
+    return mode() == "ahead"
 
 
 def _header(sizes: Sequence[int]) -> bytes:
