@@ -230,8 +230,15 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
     except RuntimeError:  # no new threads (the interpreter is exiting): the rest here, in turn
         pass
     load(shares[0])
-    for t in started:
-        t.join()  # no loader may still call ``fill`` once this returns
+    interrupted: Optional[BaseException] = None
+    for t in started:  # no loader may still call ``fill`` once this returns, even through KeyboardInterrupt
+        while t.is_alive():
+            try:
+                t.join()
+            except BaseException as err:  # noqa: BLE001 - re-raised below, once every loader is done
+                interrupted = err
+    if interrupted is not None:
+        raise interrupted
     for share in shares[1 + len(started):]:
         load(share)
     if errors:
