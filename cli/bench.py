@@ -75,7 +75,9 @@ def render(res: Dict[str, Any]) -> str:
     if res.get("command"):
         add(f"`{res['command']}`")
         add("")
-    restore = f", restores {m['restore']}" + (f" with {m['loaders']} loaders" if m["restore"] != "direct" else "") if "restore" in m else ""
+    restore = ""
+    if "restore" in m:  # how gets filled their buffers (reports from before it have no such field)
+        restore = f", restores {m['restore']}" + (f" with {m['loaders']} loaders" if m["restore"] != "direct" else "")
     add(f"{m['platform']}, {m['processor']}, mlx {m['mlx']} on {m['device']}{restore}; {res['seconds']:.0f} s. "
         "Times are medians; reads are from a warm page cache.")
     add("")
