@@ -202,7 +202,7 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
     (the arrays are then not returned)."""
     if not sizes:
         return []
-    shares = [share for share in _fill.balance(sizes, min(loaders(), len(sizes))) if share]
+    shares = _fill.balance(sizes, min(loaders(), len(sizes)))  # no more lanes than tensors: none empty
     out: List[Optional[mx.array]] = [None] * len(sizes)
     errors: List[BaseException] = []
 
