@@ -125,9 +125,14 @@ def set_block(store, address: bytes, data) -> None:
 
 def pack_file(store, address: bytes):
     """The pack file holding a block, or None when it is an LMDB value."""
-    with store.env.read() as txn:
-        place = _place(txn, store, address)
+    place = block_place(store, address)
     return None if place is None else place[0]
+
+
+def block_place(store, address: bytes):
+    """``(pack file path, offset)`` of a block kept in a pack file, or None."""
+    with store.env.read() as txn:
+        return _place(txn, store, address)
 
 
 def stored_block_sizes(store) -> dict:

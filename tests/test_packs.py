@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from _bits import bits_equal
-from _raw import audit_blocks, audit_packs, get_block, pack_file, referrers, set_block, stored_bytes
+from _raw import audit_blocks, audit_packs, block_place, blocks_of, flip_block, get_block, pack_file, referrers, set_block, stored_bytes
 from promptstore import CorruptEntry, PromptStore, salvage
 from promptstore.format import _entry, _packs
 
@@ -156,6 +156,37 @@ def test_flipped_truncated_and_missing_packs_fail_closed(tmp_path):
         assert sorted(e.n_tokens for e in store.entries()) == [700]  # only the damaged ones went
         assert same(store.get(MODEL, t3), c3) and store.verify().ok
         audit_blocks(store), audit_packs(store)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_blocks_read_together_are_each_checked_and_named(tmp_path, monkeypatch, mode):
+    """A large get reads blocks that lie back to back in a pack with one
+    read (on the fill threads, and inside mlx's loader where restores are
+    staged), then checks each against its address: a damaged block in the
+    middle of such a run, or a file that ends inside one, is named in the
+    error, and nothing stored is lost."""
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", mode)
+    rng = np.random.default_rng(3)
+    n = 4096  # 16 blocks of 512 KiB per array: 16 MiB, a large entry
+    tokens = rng.integers(0, 50000, n).tolist()
+    kv = KVCache()
+    kv.update_and_fetch(*(mx.array(rng.standard_normal((1, 8, n, 128)).astype(np.float16)) for _ in range(2)))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, [kv])
+        (eid,) = [e.id for e in store.entries()]
+        places = sorted((block_place(store, key)[1], key) for key in blocks_of(store, eid))
+        assert [b - a for (a, _), (b, _) in zip(places, places[1:])] == [512 << 10] * 31  # one run after another
+        inside = places[5][1]  # inside the first array's first run
+        flip_block(store, inside)
+        with pytest.raises(CorruptEntry, match=f"block {inside.hex()} does not match its address"):
+            store.get(MODEL, tokens)
+        flip_block(store, inside)  # flipped back
+        assert same(store.get(MODEL, tokens), [kv])
+        last_at, last = places[-1]
+        os.truncate(pack_file(store, last), last_at + 1000)
+        with pytest.raises(CorruptEntry, match=f"the file ends inside block {last.hex()}"):
+            store.get(MODEL, tokens)
+        assert [e.id for e in store.entries()] == [eid]
 
 
 KILLER = """

@@ -139,8 +139,9 @@ def _flip_middle(path):
 
 def test_a_staged_get_reports_the_payloads_damage_then_the_blocks_then_a_lost_blob(tmp_path, staged):
     """An entry with shared blocks and a blob payload: a damaged block, then
-    the payload damaged too (the payload is read first, so its error is the
-    one reported), then its blob gone; nothing is deleted."""
+    the payload damaged too (the payload's arrays come first, in one pass
+    with the blocks or before them, so its error is the one reported), then
+    its blob gone; nothing is deleted."""
     cache, tokens = _cache(7), list(range(3, 1027))
     with PromptStore(tmp_path / "s") as store:
         store.put(MODEL, tokens, cache)
@@ -182,6 +183,48 @@ def test_filled_writes_each_tensor_with_fill_and_raises_its_error(monkeypatch, l
 
     with pytest.raises(OSError, match="Input/output error"):
         _blank.filled(sizes, failing)
+
+
+@pytest.mark.parametrize("loaders", ["1", "2", "4"])
+def test_filled_raises_the_error_of_the_first_tensor_that_failed(monkeypatch, loaders):
+    """Whatever loader meets its error first, the one raised is that of the
+    lowest tensor whose fill failed: a restore reports the same damage every time."""
+    monkeypatch.setenv("PROMPTSTORE_LOADERS", loaders)
+    sizes = [1 << 16] * 8
+    started = threading.Event()
+
+    def fill(i, view):
+        if i == 6:  # fails at once
+            started.set()
+            raise OSError(5, "tensor 6")
+        if i == 3:  # fails after another loader's error, where there are several (3 and 6 are in different shares)
+            started.wait(timeout=0.5 if loaders != "1" else 0)
+            raise OSError(5, "tensor 3")
+
+    for _ in range(5):
+        started.clear()
+        with pytest.raises(OSError, match="tensor 3"):
+            _blank.filled(sizes, fill)
+
+
+def test_a_staged_get_of_blocks_and_a_blob_is_one_loader_pass(tmp_path, monkeypatch):
+    """Where restores are staged, the blob's arrays and the blocks' go through
+    one call of mlx's loader, each array a tensor of its own."""
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
+    calls = []
+    real = _blank.filled
+
+    def counted(sizes, fill):
+        calls.append(len(sizes))
+        return real(sizes, fill)
+
+    monkeypatch.setattr(_blank, "filled", counted)
+    cache, tokens = _cache(9), list(range(3, 1027))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        calls.clear()
+        assert same_cache(store.get(MODEL, tokens), cache)
+    assert calls == [4 * 2 + 2]  # 4 KV layers' keys and values, the recurrent layer's 2 arrays
 
 
 def test_several_loaders_fill_at_once_and_all_finish_before_an_error(monkeypatch):
@@ -242,7 +285,7 @@ def test_a_loader_that_reads_in_pieces_gets_every_byte_once_filled():
         source.readinto(buf)
         got += buf
     want = b"".join(bytes(((np.arange(n) + 17 * i) % 256).astype(np.uint8)) for i, n in enumerate(sizes))
-    assert source.error is None and bytes(got) == want
+    assert not source.failures and bytes(got) == want
     assert sorted(calls) == [0, 1, 2, 3]
 
 

@@ -38,7 +38,7 @@ import json
 import os
 import struct
 import threading
-from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, cast
+from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
 import numpy as np
@@ -149,7 +149,11 @@ def blank(sizes: Sequence[int]) -> List[mx.array]:
 
 
 class _Filling(_Unwritten):
-    """A safetensors file whose tensor ``i`` is written by ``fill(i, view)``."""
+    """A safetensors file whose tensor ``i`` is written by ``fill(i, view)``.
+
+    Every tensor is filled, whichever failed before it (mlx's loader asks
+    for them in an order of its own); ``failures`` holds ``(i, error)`` of
+    each that failed."""
 
     def __init__(self, head: bytes, sizes: Sequence[int], fill: Callable[[int, memoryview], None]):
         super().__init__(head, len(head) + sum(int(n) for n in sizes))
@@ -157,7 +161,7 @@ class _Filling(_Unwritten):
         self.starts = [0]
         for n in sizes:
             self.starts.append(self.starts[-1] + int(n))
-        self.error: Optional[BaseException] = None
+        self.failures: List[Tuple[int, BaseException]] = []
         self.parts: Dict[int, np.ndarray] = {}  # tensors the loader asked for in pieces
 
     def readinto(self, b) -> int:  # called from an mlx thread: must not raise
@@ -165,13 +169,15 @@ class _Filling(_Unwritten):
         pos = self.pos  # another loader thread may seek while this one fills
         if pos < len(self.head):
             return super().readinto(b)
-        try:
-            if self.error is None:
-                self._data(pos - len(self.head), m)
-        except BaseException as err:  # noqa: BLE001 - raised by filled() once the loader is done
-            self.error = err
+        self._data(pos - len(self.head), m)
         self.pos = pos + m.nbytes
         return m.nbytes
+
+    def _fill(self, i: int, view: memoryview) -> None:
+        try:
+            self.fill(i, view)
+        except BaseException as err:  # noqa: BLE001 - raised by filled() once the loader is done
+            self.failures.append((i, err))
 
     def _data(self, lo: int, m: memoryview) -> None:
         hi = lo + m.nbytes
@@ -179,11 +185,11 @@ class _Filling(_Unwritten):
         while i < len(self.starts) - 1 and self.starts[i] < hi:
             start, end = self.starts[i], self.starts[i + 1]
             if lo <= start and end <= hi:  # the usual call: one whole tensor
-                self.fill(int(i), m[start - lo : end - lo])
+                self._fill(int(i), m[start - lo : end - lo])
             else:  # a piece: fill the whole tensor aside once, copy the piece
                 if i not in self.parts:
                     whole = np.empty(end - start, dtype=np.uint8)
-                    self.fill(int(i), memoryview(whole.data))
+                    self._fill(int(i), memoryview(whole.data))
                     self.parts[i] = whole
                 a, z = max(lo, start), min(hi, end)
                 np.frombuffer(m, dtype=np.uint8)[a - lo : z - lo] = self.parts[i][a - start : z - start]
@@ -197,14 +203,15 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
     buffer, which it then copies to the device. ``fill`` runs on an mlx
     thread, one tensor at a time per loader (:func:`loaders`: with more
     than one, shares of the tensors balanced by size load at once on
-    threads of their own, and ``fill`` may run on several threads at once);
-    the first exception it raises is raised here, once every loader is done
-    (the arrays are then not returned)."""
+    threads of their own, and ``fill`` may run on several threads at once).
+    ``fill`` is called for every tensor even after it raised for one; the
+    exception it raised for the lowest ``i`` is raised here, once every
+    loader is done (the arrays are then not returned)."""
     if not sizes:
         return []
     shares = _fill.balance(sizes, min(loaders(), len(sizes)))  # no more lanes than tensors: none empty
     out: List[Optional[mx.array]] = [None] * len(sizes)
-    errors: List[BaseException] = []
+    errors: List[Tuple[int, BaseException]] = []  # (the tensor it came from, the error)
 
     def load(share: List[int]) -> None:
         share = sorted(share)  # the loader's reads then go forward through each share
@@ -213,10 +220,10 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
         try:
             arrays = _load(source, len(share))
         except BaseException as err:  # noqa: BLE001 - raised below, once every loader is done
-            errors.append(err)
+            errors.append((share[0], err))
             return
-        if source.error is not None:
-            errors.append(source.error)
+        if source.failures:
+            errors.extend((share[j], err) for j, err in source.failures)
             return
         for i, arr in zip(share, arrays):
             out[i] = arr
@@ -241,8 +248,8 @@ def filled(sizes: Sequence[int], fill: Callable[[int, memoryview], None]) -> Lis
         raise interrupted
     for share in shares[1 + len(started):]:
         load(share)
-    if errors:
-        raise errors[0]
+    if errors:  # every tensor was filled: the same damage is reported whatever the loaders' order
+        raise min(errors, key=lambda e: e[0])[1]
     return cast(List[mx.array], out)
 
 

@@ -37,6 +37,7 @@ import logging
 import mmap
 import os
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Sequence
 
@@ -242,6 +243,21 @@ class Blobs:
             CorruptEntry: wrong size or a checksum mismatch.
             StoreError: reading failed.
         """
+        with self.opened(man, where) as fd:
+            if _fill.available():
+                return _payload.read_file(man, fd, [i * _entry.CHUNK for i in range(man.chunks)], where)
+            return self._read_mapped(man, fd, where)
+
+    @contextmanager
+    def opened(self, man: _entry.Manifest, where: str) -> Iterator[int]:
+        """A read-only descriptor of ``man``'s blob file, of the size the
+        manifest says (the payload lies in it back to back, from offset 0).
+
+        Raises:
+            Vanished: no such file.
+            CorruptEntry: wrong size.
+            StoreError: it cannot be opened.
+        """
         assert man.blob is not None
         try:
             fd = os.open(self.path(man.blob), os.O_RDONLY | os.O_CLOEXEC)
@@ -253,9 +269,7 @@ class Blobs:
             size = os.fstat(fd).st_size
             if size != man.payload:
                 raise CorruptEntry(f"{where}: blob file {man.blob} has {size} bytes, the manifest says {man.payload}")
-            if _fill.available():
-                return _payload.read_file(man, fd, [i * _entry.CHUNK for i in range(man.chunks)], where)
-            return self._read_mapped(man, fd, where)
+            yield fd
         finally:
             os.close(fd)
 

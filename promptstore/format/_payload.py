@@ -159,7 +159,8 @@ def _by_layer(man: Manifest, flat: Sequence[mx.array]) -> List[Dict[str, mx.arra
     return out
 
 
-def _empty(rec: ArrayRecord) -> mx.array:
+def empty(rec: ArrayRecord) -> mx.array:
+    """An mlx array of ``rec``'s dtype and shape with no elements."""
     return mx.array(np.zeros(0, dtype=np.uint8)).view(DTYPES[rec.dtype]).reshape(rec.shape)
 
 
@@ -261,9 +262,9 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     flat = []
     for i, (li, rec) in enumerate(recs):
         if i not in place:
-            flat.append(_empty(rec))
+            flat.append(empty(rec))
             continue
-        _verify(digests[i], li, rec, where)
+        verify(digests[i], li, rec, where)
         b, start = place[i][0], starts[i]
         flat.append(bufs[b][start : start + rec.nbytes].view(DTYPES[rec.dtype]).reshape(rec.shape))
     return _by_layer(man, flat)
@@ -288,11 +289,11 @@ def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Ca
         if i in spans:
             continue
         if not rec.nbytes:
-            flat[i] = _empty(rec)
+            flat[i] = empty(rec)
             continue
         ci, pos = divmod(rec.offset, CHUNK)
         piece = srcs[ci][pos : pos + rec.nbytes]
-        _verify(xxhash.xxh3_64_intdigest(piece.data), li, rec, where)
+        verify(xxhash.xxh3_64_intdigest(piece.data), li, rec, where)
         flat[i] = mx.array(piece).view(DTYPES[rec.dtype]).reshape(rec.shape)
         if release is not None:
             release(bufs[ci][pos : pos + rec.nbytes])
@@ -306,7 +307,7 @@ def read_mapped(man: Manifest, bufs: List[Any], where: str, release: Optional[Ca
     made = _blank.written([recs[i][1].nbytes for i in spanning], fill)
     for i, dest in zip(spanning, made):
         li, rec = recs[i]
-        _verify(digests[i], li, rec, where)
+        verify(digests[i], li, rec, where)
         flat[i] = dest.view(DTYPES[rec.dtype]).reshape(rec.shape)
     copied.upto(man.payload + CHUNK)
     return _by_layer(man, flat)  # type: ignore[arg-type]
@@ -319,7 +320,12 @@ def _spans(rec: ArrayRecord) -> bool:
     return rec.nbytes > 0 and rec.offset // CHUNK != (rec.offset + rec.nbytes - 1) // CHUNK
 
 
-def _verify(digest: int, li: int, rec: ArrayRecord, where: str) -> None:
+def verify(digest: int, li: int, rec: ArrayRecord, where: str) -> None:
+    """Refuse array ``rec`` of layer ``li`` when ``digest`` (xxh3-64 of its bytes) is not its checksum.
+
+    Raises:
+        CorruptEntry: the array's bytes are damaged.
+    """
     if digest != rec.checksum:
         raise CorruptEntry(
             f"{where}: checksum mismatch in layer {li} array {rec.name!r}; "
