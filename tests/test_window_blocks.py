@@ -8,6 +8,7 @@ Every restore is compared bit for bit, and continued.
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from _bits import bits_equal
@@ -108,18 +109,18 @@ def test_a_prefix_hit_on_a_window_reads_its_first_blocks(tmp_path):
         assert all(bits_equal(x, y) for x, y in zip(a, b))
 
 
-def test_gemma3_chat_inside_its_window_shares_and_continues_greedily(tmp_path, monkeypatch):
+def _gemma3_window_chat(tmp_path, monkeypatch):
     """The sliding-window fixture with its window widened past the chat: each
-    turn restores the previous entry, prefills its new tokens and is stored;
-    the windows' blocks are shared, and greedy decoding from the restored
-    conversation equals decoding from the cache that was stored, logits bit
-    for bit."""
+    turn restores the previous entry, prefills its new tokens and is stored.
+    Returns the model, the tokens, the live cache of the last turn and the
+    store (open) holding every turn."""
     model, _, _, _ = load_fixture("gemma3_text")
     # load_fixture's model is shared by every test of the process: widened here only
     monkeypatch.setattr(model.args, "sliding_window", 512)  # the caches it makes
     monkeypatch.setattr(model.model, "window_size", 512)  # the attention masks
     tokens = sample_tokens(3 * 100 + 1, seed=5)
-    with PromptStore(tmp_path / "s") as store:
+    store = PromptStore(tmp_path / "s")
+    try:
         cache = make_prompt_cache(model)
         assert {type(c) for c in cache} == {RotatingKVCache, KVCache}
         for t in range(1, 4):
@@ -129,7 +130,29 @@ def test_gemma3_chat_inside_its_window_shares_and_continues_greedily(tmp_path, m
             info = store.put(MODEL, tokens[: t * 100], cache)
             assert info.shared == info.nbytes
         assert sum(stored_block_sizes(store).values()) == info.nbytes  # three entries, the last one's bytes once
+    except BaseException:
+        store.close()
+        raise
+    return model, tokens, cache, store
+
+
+def test_gemma3_chat_inside_its_window_shares_its_blocks_and_restores_exactly(tmp_path, monkeypatch):
+    """The windows' blocks are shared between the turns, and the last turn
+    restores bit for bit (on every backend)."""
+    _, tokens, cache, store = _gemma3_window_chat(tmp_path, monkeypatch)
+    with store:
+        assert same_cache(store.get(MODEL, tokens[:300]), cache)
+
+
+@pytest.mark.shape_dependent  # the live cache's buffers are longer than the restored ones (456 against 300 positions)
+def test_gemma3_chat_inside_its_window_continues_greedily(tmp_path, monkeypatch):
+    """Greedy decoding from the restored conversation equals decoding from
+    the cache that was stored, logits bit for bit. On the H200 the logits
+    differed there (the restore was bit-exact), and in one run of four so did
+    the decodes of two restores of the same entry (docs/gpu.md)."""
+    model, tokens, cache, store = _gemma3_window_chat(tmp_path, monkeypatch)
+    with store:
         restored = store.get(MODEL, tokens[:300])
-        last = mx.array([tokens[300:]])
-        ours, theirs = greedy(model, restored, model(last, cache=restored), 6), greedy(model, cache, model(last, cache=cache), 6)
-        assert ours[0] == theirs[0] and all(bits_equal(a, b) for a, b in zip(ours[1], theirs[1]))
+    last = mx.array([tokens[300:]])
+    ours, theirs = greedy(model, restored, model(last, cache=restored), 6), greedy(model, cache, model(last, cache=cache), 6)
+    assert ours[0] == theirs[0] and all(bits_equal(a, b) for a, b in zip(ours[1], theirs[1]))
