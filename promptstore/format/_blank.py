@@ -106,8 +106,9 @@ def loaders() -> int:
     tensor's reads and its copy to the device never overlap another's;
     several loaders let them. On an H200 a 4K-token get of the
     Qwen3-Next-80B-shaped cache went from 0.43 to 0.61 of mlx-lm's
-    loader with 4 (0.54 with 2, 0.63 with 8), a 32K one from 0.95 to 1.97
-    (docs/gpu.md)."""
+    loader with 4 (0.54 with 2, 0.63 with 8), a 32K one from 0.95 to 1.97;
+    read in one pass (``store._read.assemble``), 1.13 with 4, 0.99 with 8
+    and 0.88 with 16 (docs/gpu.md)."""
     raw = os.environ.get("PROMPTSTORE_LOADERS", "").strip()
     return int(raw) if raw.isdigit() and int(raw) > 0 else 4
 
