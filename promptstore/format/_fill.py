@@ -252,13 +252,13 @@ def read_run(fd: int, offset: int, blocks: Sequence[Tuple[np.ndarray, bytes]]) -
     then hash each block's rows with XXH3-128 after its ``head``. Return the
     canonical digests, in order. Only when :func:`available_128`.
 
-    One call per block (:func:`read_hashed`) costs a restore more than its
-    reads: every ctypes call and ``preadv`` lets go of the GIL and takes it
-    back, and on a machine of few cores threads then wait on each other at
-    every block (a 4K-token get's 384 blocks of 256 KiB read 1.5x as fast on
-    two threads, 4 MiB at a time; docs/performance.md). So here one read
-    covers the run, the small calls of the hash (reset, header, digest) keep
-    the GIL, and only hashing a row lets it go.
+    One call per block (:func:`read_hashed`) lets go of the GIL and takes
+    it back at every ``preadv`` and ctypes call, and threads then wait on
+    each other at every block: in a one-off script a 4K-token get's 384
+    blocks of 256 KiB read 1.2-1.6x as fast on two threads 4 MiB at a time
+    (inside a get on that 2-core machine, no faster; docs/performance.md).
+    So here one read covers the run, the small calls of the hash (reset,
+    header, digest) keep the GIL, and only hashing a row lets it go.
 
     Raises:
         ShortRead: the file ends first.
