@@ -176,7 +176,7 @@ def test_blocks_read_together_are_each_checked_and_named(tmp_path, monkeypatch, 
         (eid,) = [e.id for e in store.entries()]
         places = sorted((block_place(store, key)[1], key) for key in blocks_of(store, eid))
         assert [b - a for (a, _), (b, _) in zip(places, places[1:])] == [512 << 10] * 31  # one run after another
-        inside = places[5][1]  # inside the first array's first run
+        inside = places[5][1]  # in the middle of a run (all 32 blocks lie back to back)
         flip_block(store, inside)
         with pytest.raises(CorruptEntry, match=f"block {inside.hex()} does not match its address"):
             store.get(MODEL, tokens)
