@@ -174,7 +174,7 @@ class _Filling(_Unwritten):
         self.pos = pos + m.nbytes
         return m.nbytes
 
-    def _fill(self, i: int, view: memoryview) -> None:
+    def _fill_one(self, i: int, view: memoryview) -> None:
         try:
             self.fill(i, view)
         except BaseException as err:  # noqa: BLE001 - raised by filled() once the loader is done
@@ -186,11 +186,11 @@ class _Filling(_Unwritten):
         while i < len(self.starts) - 1 and self.starts[i] < hi:
             start, end = self.starts[i], self.starts[i + 1]
             if lo <= start and end <= hi:  # the usual call: one whole tensor
-                self._fill(int(i), m[start - lo : end - lo])
+                self._fill_one(int(i), m[start - lo : end - lo])
             else:  # a piece: fill the whole tensor aside once, copy the piece
                 if i not in self.parts:
                     whole = np.empty(end - start, dtype=np.uint8)
-                    self._fill(int(i), memoryview(whole.data))
+                    self._fill_one(int(i), memoryview(whole.data))
                     self.parts[i] = whole
                 a, z = max(lo, start), min(hi, end)
                 np.frombuffer(m, dtype=np.uint8)[a - lo : z - lo] = self.parts[i][a - start : z - start]

@@ -404,18 +404,18 @@ def _runs(tasks: Sequence[_Block]) -> List[List[_Block]]:
     (or one block) and :data:`~promptstore.format._fill.RUN_VIEWS` rows.
     The blocks a put wrote together lie back to back in its pack file."""
     runs: List[List[_Block]] = []
+    after: Optional[Tuple[int, int]] = None  # (file, offset) right after the last block
     size = views = 0
     for t in tasks:
         assert t.file is not None
-        last = runs[-1][-1] if runs else None
         n, r = t.rows.nbytes, t.rows.shape[0]
-        if (last is None or last.file is None or last.file.fd != t.file.fd or last.file.offset + last.rows.nbytes != t.file.offset
-                or size + n > _fill.RUN or views + r > _fill.RUN_VIEWS):
+        if (t.file.fd, t.file.offset) != after or size + n > _fill.RUN or views + r > _fill.RUN_VIEWS:
             runs.append([])
             size = views = 0
         runs[-1].append(t)
         size += n
         views += r
+        after = (t.file.fd, t.file.offset + n)
     return runs
 
 
