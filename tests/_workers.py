@@ -249,27 +249,79 @@ def _crash_child(path: str, seed: int, fd: int, content: str, k: int) -> None:
         os._exit(1)
 
 
+def _scratch_put(content: str, a: int, b: int) -> None:
+    """A put and a get of entry ``a b`` in a store of its own, thrown away:
+    a cold worker's first put and get pay what a warm zygote did once (on
+    CUDA, compiling mlx's kernels: seconds), before its turn comes."""
+    import shutil
+    import tempfile
+
+    from promptstore import PromptStore
+
+    scratch = tempfile.mkdtemp(prefix="promptstore-warm-")
+    try:
+        tokens, cache = entry_of(content, a, b)
+        with PromptStore(os.path.join(scratch, "store")) as store:
+            store.put(MODEL, tokens, cache)
+            store.get(MODEL, tokens)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+#: Cold workers started ahead of their turn, so that their warm-up (imports
+#: and a scratch put, seconds each on CUDA) overlaps the run of the ones
+#: before: one worker runs at a time, each starts only when told to.
+AHEAD = 1 if WARM else max(1, (os.cpu_count() or 2) // 2)
+
+
+def _crash_worker(path: str, seed: int, content: str, k: int, others: list) -> tuple:
+    """Fork worker ``k``: it warms up, says ``W``, waits for a byte on its go
+    pipe (the end of that pipe: the zygote is done, it exits), then puts.
+    ``others``: the workers started before it and not yet ended (their pipes
+    are closed in it). Returns ``(pid, its output pipe, its go pipe)``."""
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        for fd in [r, go_w] + [fd for _, out, go in others for fd in (out, go) if fd is not None]:
+            os.close(fd)
+        child_seed = seed if content == "chats" else seed * 1000 + k
+        try:
+            _warm_up(w)
+            if not WARM:
+                _scratch_put(content, *_nth(content, child_seed, 0, k))
+            if os.read(go_r, 1) != b"g":
+                os._exit(0)
+        except BaseException:
+            _say(w, "E " + traceback.format_exc().replace("\n", " | "))
+            os._exit(1)
+        _crash_child(path, child_seed, w, content, k)
+        os._exit(0)
+    os.close(w)
+    os.close(go_r)
+    return pid, r, go_w
+
+
 def crash(path: str, kills: int, seed: int, content: str) -> dict:
     rng = random.Random(seed)
     done, inflight, errors = [], 0, []
+    started: list = []
+    for k in range(min(kills, 1 + AHEAD)):
+        started.append(_crash_worker(path, seed, content, k, started))
     for k in range(kills):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            try:
-                _warm_up(w)
-            except BaseException:
-                _say(w, "E " + traceback.format_exc().replace("\n", " | "))
-                os._exit(1)
-            _crash_child(path, seed if content == "chats" else seed * 1000 + k, w, content, k)
-            os._exit(0)
-        os.close(w)
+        if k + AHEAD < kills and len(started) <= k + AHEAD:
+            started.append(_crash_worker(path, seed, content, k + AHEAD, started[k:]))
+        pid, r, go = started[k]
         first = _await_warm(r)
+        try:
+            os.write(go, b"g")
+        except BrokenPipeError:  # it failed warming up: its pipe says why
+            pass
+        os.close(go)
+        started[k] = (pid, r, None)
         if not WARM:
-            # A cold worker's first put also pays what a warm zygote did once
-            # (on CUDA, compiling mlx's kernels: seconds, where the window
-            # below is at most 0.2 s): kill it in the puts after that one.
+            # A cold worker's first put in the store may still pay something its
+            # scratch put did not: kill it in the puts after that one.
             first += _await_line(r, ("D", "E"))
         if k % 2:
             # Every other kill lands inside a put: at a random point of its
