@@ -11,7 +11,9 @@ cannot use it (``cudaMallocManaged ... failed: initialization error``: the
 parent's imports initialised CUDA). There the zygote imports nothing, each
 worker imports after the fork, and the zygote starts a worker's clock (the
 kill timer, a peer's "ready") only once the worker says it is warm (see
-:data:`WARM`; ``PROMPTSTORE_TEST_FORK=cold`` forces this elsewhere).
+:data:`WARM`; ``PROMPTSTORE_TEST_FORK=cold`` forces this elsewhere). The
+crash driver starts such workers ahead of their turn (:data:`AHEAD`), so
+their warm-up overlaps the runs of the ones before.
 
 Content is deterministic: ``make_entry(seed, i)`` and ``chat_entry(conv, turn)``
 give the same tokens and cache in every process, so the test process can check
