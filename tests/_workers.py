@@ -285,7 +285,7 @@ def _crash_worker(path: str, seed: int, content: str, k: int, others: list) -> t
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        for fd in [r, go_w] + [fd for _, out, go in others for fd in (out, go) if fd is not None]:
+        for fd in [r, go_w] + [fd for _, out, go in others for fd in (out, go)]:
             os.close(fd)
         child_seed = seed if content == "chats" else seed * 1000 + k
         try:
@@ -320,7 +320,6 @@ def crash(path: str, kills: int, seed: int, content: str) -> dict:
         except BrokenPipeError:  # it failed warming up: its pipe says why
             pass
         os.close(go)
-        started[k] = (pid, r, None)
         if not WARM:
             # A cold worker's first put in the store may still pay something its
             # scratch put did not: kill it in the puts after that one.
