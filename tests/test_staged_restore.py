@@ -31,7 +31,20 @@ def staged(request, monkeypatch):
     for it (``staged``, the CUDA default: four ``mx.load`` calls at once;
     ``staged-1-loader``: one), or read ahead of the loader (``ahead``); the
     direct path's allocator refuses, so nothing falls back to it unseen."""
-    mode, _, loaders = request.param.partition("-")
+    _stage(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["direct", "staged", "staged-1-loader", "ahead"])
+def any_mode(request, monkeypatch):
+    """The direct restore (the CPU default) and every staged one (as ``staged``)."""
+    if request.param == "direct":
+        monkeypatch.setenv("PROMPTSTORE_RESTORE", "direct")
+    else:
+        _stage(request.param, monkeypatch)
+
+
+def _stage(param: str, monkeypatch) -> None:
+    mode, _, loaders = param.partition("-")
     monkeypatch.setenv("PROMPTSTORE_RESTORE", mode)
     if loaders:
         monkeypatch.setenv("PROMPTSTORE_LOADERS", loaders.split("-")[0])
@@ -94,7 +107,7 @@ def test_staged_gets_are_bit_exact(tmp_path, monkeypatch, staged, layout):
             assert same_cache(store.get(MODEL, list(range(3 + i, 1027 + i))), cache)
 
 
-def test_a_damaged_block_fails_the_staged_get_and_loses_nothing_else(tmp_path, staged):
+def test_a_damaged_block_fails_the_get_and_loses_nothing_else(tmp_path, any_mode):
     a, b = _cache(4), _cache(5)
     ta, tb = list(range(3, 1027)), list(range(5, 1029))
     with PromptStore(tmp_path / "s") as store:
@@ -137,10 +150,10 @@ def _flip_middle(path):
         f.write(bytes([byte[0] ^ 0x08]))
 
 
-def test_a_staged_get_reports_the_payloads_damage_then_the_blocks_then_a_lost_blob(tmp_path, staged):
-    """An entry with shared blocks and a blob payload: a damaged block, then
-    the payload damaged too (the payload's arrays come first, in one pass
-    with the blocks or before them, so its error is the one reported), then
+def test_a_get_reports_the_payloads_damage_then_the_blocks_then_a_lost_blob(tmp_path, any_mode):
+    """An entry with shared blocks and a blob payload, restored in one pass
+    (direct or staged): a damaged block, then the payload damaged too (its
+    error is the one reported, as when the payload was read first), then
     its blob gone; nothing is deleted."""
     cache, tokens = _cache(7), list(range(3, 1027))
     with PromptStore(tmp_path / "s") as store:
@@ -225,6 +238,29 @@ def test_a_staged_get_of_blocks_and_a_blob_is_one_loader_pass(tmp_path, monkeypa
         calls.clear()
         assert same_cache(store.get(MODEL, tokens), cache)
     assert calls == [4 * 2 + 2]  # 4 KV layers' keys and values, the recurrent layer's 2 arrays
+
+
+def test_a_direct_get_of_blocks_and_a_blob_is_one_pass(tmp_path, monkeypatch):
+    """On the direct path the blob's arrays and the blocks' get their rooms
+    in one allocation of shared buffers and are read in one fill: the
+    payload is not read on its own first."""
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "direct")
+    calls = []
+    real = _blank.blank
+    monkeypatch.setattr(_blank, "blank", lambda sizes: calls.append(list(sizes)) or real(sizes))
+
+    def refuse(*args):
+        raise AssertionError("the payload was read on its own")
+
+    monkeypatch.setattr(_blobs.Blobs, "read", refuse)
+    cache, tokens = _cache(10), list(range(3, 1027))
+    with PromptStore(tmp_path / "s") as store:
+        store.put(MODEL, tokens, cache)
+        calls.clear()
+        assert same_cache(store.get(MODEL, tokens), cache)
+    nbytes = sum(c.nbytes for c in cache)
+    assert len(calls) == 1 and len(calls[0]) == 1  # about 18 MB: one shared buffer
+    assert nbytes < calls[0][0] <= nbytes + 64 * (4 * 2 + 2)  # each array's room: its bytes and 64 of slack
 
 
 def test_several_loaders_fill_at_once_and_all_finish_before_an_error(monkeypatch):

@@ -168,6 +168,37 @@ _SLAB = 64 << 20  # restored arrays share buffers of up to this size
 _ALIGN = 64
 
 
+def rooms(sizes: Sequence[int]) -> Tuple[List[Tuple[int, int]], List[int]]:
+    """Where restored arrays of ``sizes`` bytes (each > 0) go in shared
+    buffers (see :func:`read_file`): each one's ``(buffer, start of its
+    room)``, and the buffers' sizes. A room is the array's bytes plus
+    ``_ALIGN`` of slack (:func:`aligned`); a buffer holds rooms up to
+    ``_SLAB`` bytes, and a larger room gets a buffer of its own."""
+    place: List[Tuple[int, int]] = []
+    out: List[int] = []
+    slab: Optional[int] = None  # the buffer rooms are being packed into
+    for n in sizes:
+        room = n + _ALIGN
+        if room > _SLAB:
+            place.append((len(out), 0))
+            out.append(room)
+            continue
+        start = 0 if slab is None else -(-out[slab] // _ALIGN) * _ALIGN
+        if slab is None or start + room > _SLAB:
+            slab, start = len(out), 0
+            out.append(0)
+        place.append((slab, start))
+        out[slab] = start + room
+    return place, out
+
+
+def aligned(host: np.ndarray, base: int, like: int) -> int:
+    """Where in ``host`` an array whose room starts at ``base`` begins: at
+    the address that equals ``like`` (the file offset it is read from)
+    modulo ``_ALIGN``, so the kernel's copy moves whole cache lines."""
+    return base + (like - host.ctypes.data - base) % _ALIGN
+
+
 def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> List[Dict[str, mx.array]]:
     """Read the payload with ``pread`` from the data file, chunk ``i`` being
     at file offset ``offsets[i]``, into fresh mlx arrays; verify checksums.
@@ -195,23 +226,9 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
     StoreError when reading fails.
     """
     recs = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays]
-    place: Dict[int, Tuple[int, int]] = {}  # array -> (buffer, start of its room)
-    sizes: List[int] = []
-    slab: Optional[int] = None  # the buffer arrays are being packed into
-    for i, (_, rec) in enumerate(recs):
-        if not rec.nbytes:
-            continue
-        room = rec.nbytes + _ALIGN
-        if room > _SLAB:
-            place[i] = (len(sizes), 0)
-            sizes.append(room)
-            continue
-        start = 0 if slab is None else -(-sizes[slab] // _ALIGN) * _ALIGN
-        if slab is None or start + room > _SLAB:
-            slab, start = len(sizes), 0
-            sizes.append(0)
-        place[i] = (slab, start)
-        sizes[slab] = start + room
+    nonempty = [i for i, (_, rec) in enumerate(recs) if rec.nbytes]
+    rooms_, sizes = rooms([recs[i][1].nbytes for i in nonempty])
+    place = dict(zip(nonempty, rooms_))  # array -> (buffer, start of its room)
     segments: Dict[int, List[Tuple[int, int]]] = {}  # array -> its (file offset, length) pieces
     for i in place:
         rec, pieces, apos = recs[i][1], [], 0
@@ -251,7 +268,7 @@ def read_file(man: Manifest, fd: int, offsets: Sequence[int], where: str) -> Lis
             jobs = []
             for i, (b, base) in place.items():
                 nbytes = recs[i][1].nbytes
-                start = base + (segments[i][0][0] - hosts[b].ctypes.data - base) % _ALIGN
+                start = aligned(hosts[b], base, segments[i][0][0])
                 starts[i] = start
                 jobs.append((hosts[b][start : start + nbytes], segments[i], fresh[b]))
             digests = dict(zip(place, _fill.fill(fd, jobs)))

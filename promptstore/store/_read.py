@@ -112,8 +112,9 @@ class Reader:
             except PromptStoreError as err:
                 raise type(err)(f"{where} layer {li}: {err}") from err
         large = man.payload + man.shared_bytes >= _pages.MIN_PAYLOAD
-        if large and man.blob is not None and _blank.mode() == "staged" and _fill.available_128():
-            # One pass: the blob's arrays and the blocks' in one call of mlx's loader (see assemble).
+        mode = _blank.mode()
+        if large and man.blob is not None and _fill.available_128() and (mode == "staged" or (mode == "direct" and man.bounds)):
+            # One pass: the blob's arrays and the blocks' read together (see assemble).
             arrays: List[Dict[str, Any]] = [{} for _ in man.layers]
             with self._blobs.opened(man, where) as blob:
                 self._assemble(txn, man, arrays, where, large, blob)
@@ -233,19 +234,20 @@ def assemble(
 
     Where restores are staged (:func:`_blank.staged`: on the CUDA backend)
     each array is written inside mlx's loader, its blocks read on the
-    loader's own thread. ``blob`` (a descriptor of the entry's blob file;
-    only there) adds the entry's own arrays to the same loader call, each
-    read from the file and checked against its checksum: one pass for the
-    whole entry, where reading the payload first and then the blocks left
-    each phase waiting on its slowest loader. On an H200 a 4K-token get of
-    the Qwen3-Next-80B-shaped cache went from 0.65-0.69x mlx-lm's loader
-    to 1.13x with 4 loaders (docs/gpu.md).
+    loader's own thread. ``blob`` (a descriptor of the entry's blob file)
+    adds the entry's own arrays to the same pass, each read from the file
+    and checked against its checksum, where reading the payload first and
+    then the blocks left each phase waiting on its slowest reader: staged,
+    in the same loader call (on an H200 a 4K-token get of the
+    Qwen3-Next-80B-shaped cache went from 0.65-0.69x mlx-lm's loader to
+    1.13x with 4 loaders, docs/gpu.md); direct, in the same lanes of the
+    fill threads, into one set of shared buffers (:func:`_one_pass`).
 
     Raises:
         CorruptEntry: a block is missing or damaged, or an own array is.
         StoreError: reading a file failed.
     """
-    assert blob is None or (_blank.staged() and not _blank.reads_ahead())
+    assert blob is None or not _blank.reads_ahead()
     parted = list(man.parted())
     # Every block is found and its size checked before anything is allocated:
     # a manifest (damaged, or crafted) may claim arrays of any size.
@@ -298,6 +300,9 @@ def assemble(
         if any(tasks for _, tasks in groups):
             _read_blocks([g for g in groups if g[1]], where, threads)
 
+    if blob is not None and not _blank.staged():
+        _one_pass(blob, man, parted, blocks_of, arrays, where)
+        return
     sizes = [rec.nbytes for _, rec in parted]
     dests: List[Any]
     if not small and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
@@ -332,6 +337,76 @@ def assemble(
     for (li, rec), dest in zip(parted, dests):
         arr = mx.array(dest) if small else dest
         arrays[li][rec.name] = arr.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
+
+
+def _one_pass(
+    blob: int,
+    man: _entry.Manifest,
+    parted: Sequence[Tuple[int, _entry.ArrayRecord]],
+    blocks_of: Callable[[int, np.ndarray], List["_Block"]],
+    arrays: List[Dict[str, Any]],
+    where: str,
+) -> None:
+    """A direct restore of an entry with its own arrays in blob file
+    ``blob`` and the ``parted`` ones in shared blocks, in one pass: every
+    array gets its room in one set of shared buffers (as
+    :func:`_payload.read_file` places a payload), and the fill threads
+    read them all in one set of lanes balanced by bytes, each own array
+    checked against its checksum and each block against its address.
+    ``blocks_of(i, dest)`` gives parted array ``i``'s blocks to read from
+    files (and copies those in the map into ``dest``). Reading the payload
+    first and then the blocks paid a second allocation of buffers and left
+    each phase waiting on its slower thread.
+
+    Raises:
+        CorruptEntry: an own array or a block is damaged (an own array's
+            error first), or a file ends early.
+        StoreError: reading a file failed.
+    """
+    own = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays if rec.parts is None]
+    for li, rec in own:
+        if not rec.nbytes:
+            arrays[li][rec.name] = _payload.empty(rec)
+    own = [(li, rec) for li, rec in own if rec.nbytes]
+    recs = own + list(parted)
+    place, sizes = _payload.rooms([rec.nbytes for _, rec in recs])
+    bufs = _blank.blank(sizes)
+    hosts = [np.asarray(b) for b in bufs]
+    fresh = [not _fill.resident(h) for h in hosts]  # mincore here, not on the threads
+    starts = [_payload.aligned(hosts[b], base, rec.offset if k < len(own) else 0) for k, ((b, base), (_, rec)) in enumerate(zip(place, recs))]
+    views = [hosts[b][start : start + rec.nbytes] for (b, _), start, (_, rec) in zip(place, starts, recs)]
+    tasks = [blocks_of(i, views[len(own) + i]) for i in range(len(parted))]
+    digests = [0] * len(own)
+
+    def run(lane: Sequence[int]) -> Optional[str]:
+        err: Optional[str] = None
+        for k in lane:
+            if fresh[place[k][0]]:
+                _fill.populate(views[k])
+            if k < len(own):
+                digests[k] = _fill.read_summed(blob, views[k], own[k][1].offset)
+                continue
+            for blocks in _runs(tasks[k - len(own)]) if err is None else ():
+                err = _read_run(blocks)
+                if err is not None:
+                    break
+        return err
+
+    futures = [_fill.submit(run, lane) for lane in _fill.balance([v.nbytes for v in views]) if lane]
+    wait(futures)  # no thread may still write into the buffers when this returns or raises
+    try:
+        errors = [f.result() for f in futures]
+    except _fill.ShortRead as err:
+        raise CorruptEntry(f"{where}: {err}") from err
+    except OSError as err:
+        raise StoreError(f"{where}: reading a file failed: {err}") from err
+    for k, (li, rec) in enumerate(own):
+        _payload.verify(digests[k], li, rec, where)
+    for message in errors:
+        if message is not None:
+            raise CorruptEntry(f"{where}: {message}")
+    for (li, rec), (b, _), start in zip(recs, place, starts):
+        arrays[li][rec.name] = bufs[b][start : start + rec.nbytes].view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
 
 
 def _read_own(fd: int, host: np.ndarray, li: int, rec: _entry.ArrayRecord, where: str) -> None:
