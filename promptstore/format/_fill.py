@@ -404,7 +404,7 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
         for piece in here:
             np.copyto(dst[piece], src[piece])
     finally:
-        _wait_all(futures)
+        wait_all(futures)
     for f in futures:
         f.result()
 
@@ -541,13 +541,13 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]], bo
             if lane:
                 futures.append(submit(run, lane))
     finally:
-        _wait_all(futures)  # even when a submit failed: nothing may still run
+        wait_all(futures)  # even when a submit failed: nothing may still run
     for f in futures:
         f.result()
     return digests
 
 
-def _wait_all(futures: List[Future]) -> None:
+def wait_all(futures: List[Future]) -> None:
     """Wait until every future is done, even through KeyboardInterrupt (the
     jobs write into the caller's buffers and read pages its transaction
     holds); an interruption is re-raised once they are."""

@@ -13,6 +13,9 @@ an entry, its own payload, is read in one of three ways, chosen by
   for them to be dropped again, so the offsets are found once and remembered
   (see :meth:`Reader._read_large`).
 
+A large entry with both, a blob file and shared blocks, is read in one pass
+(:func:`assemble` with ``blob``): its own arrays and its blocks together.
+
 Every strategy checks every array's checksum; the arrays are copied into mlx
 inside the read transaction, since LMDB buffers die with it.
 
@@ -26,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from concurrent.futures import wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, cast
@@ -392,8 +395,13 @@ def _one_pass(
                     break
         return err
 
-    futures = [_fill.submit(run, lane) for lane in _fill.balance([v.nbytes for v in views]) if lane]
-    wait(futures)  # no thread may still write into the buffers when this returns or raises
+    futures: List[Future] = []
+    try:
+        for lane in _fill.balance([v.nbytes for v in views]):
+            if lane:
+                futures.append(_fill.submit(run, lane))
+    finally:
+        _fill.wait_all(futures)  # no thread may still write into the buffers when this returns or raises
     try:
         errors = [f.result() for f in futures]
     except _fill.ShortRead as err:
@@ -520,8 +528,13 @@ def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, 
             errors = [run(groups)]
         else:
             lanes = _fill.balance([sum(t.rows.nbytes for t in tasks) for _, tasks in groups])
-            futures = [_fill.submit(run, [groups[k] for k in lane]) for lane in lanes if lane]
-            wait(futures)  # no thread may still write into the destination when this returns or raises
+            futures: List[Future] = []
+            try:
+                for lane in lanes:
+                    if lane:
+                        futures.append(_fill.submit(run, [groups[k] for k in lane]))
+            finally:
+                _fill.wait_all(futures)  # no thread may still write into the destination when this returns or raises
             errors = [f.result() for f in futures]
     except OSError as exc:
         raise StoreError(f"{where}: reading a block failed: {exc}") from exc
