@@ -404,7 +404,7 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
         for piece in here:
             np.copyto(dst[piece], src[piece])
     finally:
-        wait_all(futures)
+        _wait_all(futures)
     for f in futures:
         f.result()
 
@@ -535,19 +535,27 @@ def fill(fd: int, jobs: Sequence[Tuple[np.ndarray, Sequence[Tuple[int, int]], bo
         for k in lane:
             digests[k] = _job(fd, *jobs[k])
 
+    in_lanes(run, lanes)
+    return digests
+
+
+def in_lanes(run: Callable[[List[int]], T], lanes: Sequence[List[int]]) -> List[T]:
+    """``run(lane)`` on the pool for every non-empty lane (see
+    :func:`balance`); their results, in order. Returns (or raises the first
+    lane's error) only once every lane has finished, even when a submit
+    failed or on KeyboardInterrupt, so no thread still writes into the
+    caller's buffers when it does."""
     futures: List[Future] = []
     try:
         for lane in lanes:
             if lane:
                 futures.append(submit(run, lane))
     finally:
-        wait_all(futures)  # even when a submit failed: nothing may still run
-    for f in futures:
-        f.result()
-    return digests
+        _wait_all(futures)
+    return [f.result() for f in futures]
 
 
-def wait_all(futures: List[Future]) -> None:
+def _wait_all(futures: List[Future]) -> None:
     """Wait until every future is done, even through KeyboardInterrupt (the
     jobs write into the caller's buffers and read pages its transaction
     holds); an interruption is re-raised once they are."""

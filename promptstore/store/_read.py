@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, cast
@@ -311,11 +310,7 @@ def assemble(
     if not small and _blank.reads_ahead():  # read ahead of mlx's loader (see _blank.ahead)
         dests = _blank.ahead(sizes, read)
     elif not small and _blank.staged():  # each array written inside mlx's loader (see _blank)
-        own = [] if blob is None else [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays if rec.parts is None]
-        for li, rec in own:
-            if not rec.nbytes:  # mlx's loader makes no empty tensors
-                arrays[li][rec.name] = _payload.empty(rec)
-        own = [(li, rec) for li, rec in own if rec.nbytes]
+        own = [] if blob is None else _own_arrays(man, arrays)
 
         def fill(i: int, view: memoryview) -> None:
             whole = np.frombuffer(view, dtype=np.uint8)
@@ -342,6 +337,22 @@ def assemble(
         arrays[li][rec.name] = arr.view(_entry.DTYPES[rec.dtype]).reshape(rec.shape)
 
 
+def _own_arrays(man: _entry.Manifest, arrays: List[Dict[str, Any]]) -> List[Tuple[int, _entry.ArrayRecord]]:
+    """The entry's own arrays (those not in shared blocks) that hold bytes,
+    as (layer, record); the empty ones are put into ``arrays`` here (mlx's
+    loader makes no empty tensors)."""
+    own = []
+    for li, layer in enumerate(man.layers):
+        for rec in layer.arrays:
+            if rec.parts is not None:
+                continue
+            if rec.nbytes:
+                own.append((li, rec))
+            else:
+                arrays[li][rec.name] = _payload.empty(rec)
+    return own
+
+
 def _one_pass(
     blob: int,
     man: _entry.Manifest,
@@ -366,11 +377,7 @@ def _one_pass(
             error first), or a file ends early.
         StoreError: reading a file failed.
     """
-    own = [(li, rec) for li, layer in enumerate(man.layers) for rec in layer.arrays if rec.parts is None]
-    for li, rec in own:
-        if not rec.nbytes:
-            arrays[li][rec.name] = _payload.empty(rec)
-    own = [(li, rec) for li, rec in own if rec.nbytes]
+    own = _own_arrays(man, arrays)
     recs = own + list(parted)
     place, sizes = _payload.rooms([rec.nbytes for _, rec in recs])
     bufs = _blank.blank(sizes)
@@ -395,15 +402,8 @@ def _one_pass(
                     break
         return err
 
-    futures: List[Future] = []
     try:
-        for lane in _fill.balance([v.nbytes for v in views]):
-            if lane:
-                futures.append(_fill.submit(run, lane))
-    finally:
-        _fill.wait_all(futures)  # no thread may still write into the buffers when this returns or raises
-    try:
-        errors = [f.result() for f in futures]
+        errors = _fill.in_lanes(run, _fill.balance([v.nbytes for v in views]))
     except _fill.ShortRead as err:
         raise CorruptEntry(f"{where}: {err}") from err
     except OSError as err:
@@ -528,14 +528,7 @@ def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, 
             errors = [run(groups)]
         else:
             lanes = _fill.balance([sum(t.rows.nbytes for t in tasks) for _, tasks in groups])
-            futures: List[Future] = []
-            try:
-                for lane in lanes:
-                    if lane:
-                        futures.append(_fill.submit(run, [groups[k] for k in lane]))
-            finally:
-                _fill.wait_all(futures)  # no thread may still write into the destination when this returns or raises
-            errors = [f.result() for f in futures]
+            errors = _fill.in_lanes(lambda lane: run([groups[k] for k in lane]), lanes)
     except OSError as exc:
         raise StoreError(f"{where}: reading a block failed: {exc}") from exc
     for err in errors:
