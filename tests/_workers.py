@@ -15,17 +15,14 @@ kill timer, a peer's "ready") only once the worker says it is warm (see
 crash driver starts such workers ahead of their turn (:data:`AHEAD`), so
 their warm-up overlaps the runs of the ones before.
 
-Content is deterministic: ``make_entry(seed, i)`` and ``chat_entry(conv, turn)``
-give the same tokens and cache in every process, so the test process can check
-any entry bit-exactly. ``make_entry``'s entries share nothing; ``chat_entry``'s
-share shared blocks (entry format 3), as a growing chat's do. A worker reports
-the entries it put as ``a b`` pairs of one of them (``content``: ``entries`` or
-``chats``); the layout a worker writes follows ``$PROMPTSTORE_SHARED_BLOCKS``.
+What the workers put is deterministic (``_content``), so the test process can
+check any entry bit-exactly. A worker reports the entries it put as ``a b``
+pairs (``content``: ``entries`` or ``chats``, see ``_content.entry_of``); the
+layout a worker writes follows ``$PROMPTSTORE_SHARED_BLOCKS``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -34,110 +31,9 @@ import sys
 import time
 import traceback
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _content, _bits, also where the interpreter adds no script folder (PYTHONSAFEPATH)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bits, also where the interpreter adds no script folder (PYTHONSAFEPATH)
-
-
-def make_entry(seed: int, i: int, big_every: int = 6):
-    """``(tokens, cache)``: a real mlx-lm KVCache (plus an ArraysCache layer on
-    odd i), about 4.5 MB (two payload chunks) every ``big_every``-th entry."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache, KVCache
-
-    rng = np.random.default_rng([seed, i])
-    n = 4400 if big_every and i % big_every == big_every - 1 else int(rng.integers(4, 120))
-    tokens = [seed % 50000, i % 50000] + rng.integers(0, 50000, n - 2).tolist()
-    k = mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))
-    v = mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float16))
-    kv = KVCache()
-    kv.update_and_fetch(k, v)
-    layers = [kv]
-    if i % 2:
-        ac = ArraysCache(2)
-        ac[0] = mx.array(rng.standard_normal((1, 3, 16)).astype(np.float32))
-        ac[1] = mx.array(rng.integers(0, 1 << 15, (1, 4, 8)).astype(np.int32))
-        layers.append(ac)
-    return tokens, layers
-
-
-SYSTEM = 300  # tokens of the system prompt every chat starts with
-TURNS = 4  # turns of a chat
-
-
-@functools.lru_cache(maxsize=32)
-def _chat(conv: int):
-    """Token ids, keys and values (numpy) of a whole chat, and the token count
-    at the end of each turn: a system prompt all chats share (the same ids and
-    KV bytes), then ``TURNS`` turns of its own (of ~1100 tokens in every fifth
-    chat, spanning several blocks; of 20-120 tokens in the others)."""
-    system = np.random.default_rng([424242])
-    rng = np.random.default_rng([conv, 4242])
-    lens = rng.integers(900, 1300, TURNS) if conv % 5 == 4 else rng.integers(20, 120, TURNS)
-    n = SYSTEM + int(lens.sum())
-    tokens = system.integers(0, 50000, SYSTEM).tolist() + rng.integers(0, 50000, n - SYSTEM).tolist()
-    keys = np.concatenate([system.standard_normal((1, 2, SYSTEM, 64)), rng.standard_normal((1, 2, n - SYSTEM, 64))], axis=2)
-    values = np.concatenate([system.standard_normal((1, 2, SYSTEM, 64)), rng.standard_normal((1, 2, n - SYSTEM, 64))], axis=2)
-    return tokens, keys.astype(np.float32), values.astype(np.float16), (SYSTEM + np.cumsum(lens)).tolist()
-
-
-def chat_entry(conv: int, turn: int):
-    """``(tokens, cache)`` after turn ``turn`` of chat ``conv``: a real mlx-lm
-    KVCache whose positions are a prefix of the chat's, so entries stored turn
-    after turn share blocks along the chat, and every chat's first block (the
-    system prompt's) with every other chat's. Every third chat also has an
-    ArraysCache layer, a state of each turn's own (kept in the entry's payload)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache, KVCache
-
-    tokens, keys, values, ends = _chat(conv)
-    n = ends[turn]
-    kv = KVCache()
-    kv.update_and_fetch(mx.array(keys[..., :n, :]), mx.array(values[..., :n, :]))
-    layers = [kv]
-    if conv % 3 == 1:
-        rng = np.random.default_rng([conv, turn, 77])
-        ac = ArraysCache(2)
-        ac[0] = mx.array(rng.standard_normal((1, 3, 16)).astype(np.float32))
-        ac[1] = mx.array(rng.integers(0, 1 << 15, (1, 4, 8)).astype(np.int32))
-        layers.append(ac)
-    return tokens[:n], layers
-
-
-def entry_of(content: str, a: int, b: int, big_every: int = 6):
-    """The entry a worker reports as ``a b``: ``make_entry(a, b)`` or, for ``chats``, ``chat_entry(a, b)``."""
-    return chat_entry(a, b) if content == "chats" else make_entry(a, b, big_every)
-
-
-def _nth(content: str, seed: int, i: int, first_chat: int = 0, chats: int = 10):
-    """What a worker puts ``i``-th: ``(seed, i)``, or turn ``i % TURNS`` of one
-    of ``chats`` chats, taken in turn from ``first_chat`` on (numbered from ``seed * 100``)."""
-    if content != "chats":
-        return seed, i
-    return seed * 100 + (first_chat + i // TURNS) % chats, i % TURNS
-
-
-def same_cache(a, b) -> bool:
-    """Bit-exact equality of two caches: class, codec meta and every array."""
-    from _bits import bits_equal
-    from promptstore.codecs import encode_layer
-
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if type(x) is not type(y):
-            return False
-        ex, ey = encode_layer(x), encode_layer(y)
-        if ex.kind != ey.kind or ex.meta != ey.meta or set(ex.arrays) != set(ey.arrays):
-            return False
-        for name, p in ex.arrays.items():
-            q = ey.arrays[name]
-            if p.dtype != q.dtype or p.shape != q.shape or not bits_equal(p, q).item():
-                return False
-    return True
-
-
-MODEL = "reliability@0"
+from _content import MODEL, TURNS, chat_entry, entry_of, nth, same_cache  # noqa: E402
 
 
 def _say(fd: int, line: str) -> None:
@@ -231,15 +127,15 @@ def _crash_child(path: str, seed: int, fd: int, content: str, k: int) -> None:
             _packing.DEAD_MIN = 0
         store = PromptStore(path, map_size=1 << 22)  # small map: growth happens under the kills too
         for i in range(10_000):
-            a, b = _nth(content, seed, i, k)
+            a, b = nth(content, seed, i, k)
             tokens, cache = entry_of(content, a, b)
             _say(fd, f"S {a} {b}")
             store.put(MODEL, tokens, cache, meta={"seed": a, "i": b})
             _say(fd, f"D {a} {b}")
             if i % 3 == 2:  # reads between writes: touches flushed by the next put
-                store.get(MODEL, entry_of(content, *_nth(content, seed, i - 1, k))[0])
+                store.get(MODEL, entry_of(content, *nth(content, seed, i - 1, k))[0])
             if maint and i % 4 == 1:  # delete an earlier entry (its blocks' packs go partly dead)...
-                a2, b2 = _nth(content, seed, i - 1, k)
+                a2, b2 = nth(content, seed, i - 1, k)
                 _say(fd, f"X {a2} {b2}")  # said first: killed after, it may or may not be gone
                 store.delete(MODEL, entry_of(content, a2, b2)[0])
             if maint and i % 4 == 2:
@@ -291,7 +187,7 @@ def _crash_worker(path: str, seed: int, content: str, k: int, others: list) -> t
         try:
             _warm_up(w)
             if not WARM:
-                _scratch_put(content, *_nth(content, child_seed, 0, k))
+                _scratch_put(content, *nth(content, child_seed, 0, k))
             if os.read(go_r, 1) != b"g":
                 os._exit(0)
         except BaseException:
@@ -561,7 +457,7 @@ def _fsize_child(path: str, limit: int, content: str, fd: int) -> None:
     try:
         store = PromptStore(path)
         for i in range(1000):
-            a, b = _nth(content, 77, i, chats=1000)
+            a, b = nth(content, 77, i, chats=1000)
             tokens, cache = entry_of(content, a, b, big_every=3)
             store.put(MODEL, tokens, cache)
             done.append([a, b])
@@ -589,12 +485,12 @@ def _compact_child(path: str, seconds: float, report: str, fd: int) -> None:
     end, i, gens = time.monotonic() + seconds, 0, set()
     with open(report, "a") as rep:
         while time.monotonic() < end:
-            conv, turn = _nth("chats", 55, i, chats=1000)
+            conv, turn = nth("chats", 55, i, chats=1000)
             tokens, cache = chat_entry(conv, turn)
             store.put(MODEL, tokens, cache)
             rep.write(f"{conv} {turn}\n")
             rep.flush()
-            then = _nth("chats", 55, i // 2, chats=1000)
+            then = nth("chats", 55, i // 2, chats=1000)
             got = store.get(MODEL, chat_entry(*then)[0])
             if got is None or not same_cache(got, chat_entry(*then)[1]):
                 raise AssertionError(f"chat {then} lost or damaged across compaction")

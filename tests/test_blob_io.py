@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from _workers import MODEL, make_entry, same_cache
+from _content import MODEL, make_entry, same_cache
 from test_blobs import HERE, SMALL, _files, _man, payload_layout, small_blobs  # noqa: F401 (fixtures)
 from conftest import backend
 from promptstore import PromptStore
@@ -189,7 +189,7 @@ def test_get_and_put_from_an_atexit_handler(tmp_path):
         sys.path.insert(0, {str(HERE)!r})
         from promptstore import PromptStore
         from promptstore.format import _blobs
-        from _workers import make_entry, same_cache
+        from _content import make_entry, same_cache
         _blobs.MIN_PAYLOAD = {SMALL}
         store = PromptStore({str(tmp_path / "s")!r})
         (t0, c0), (t1, c1) = make_entry(7, 5), make_entry(7, 11)

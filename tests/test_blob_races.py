@@ -13,7 +13,7 @@ import time
 import pytest
 
 from _raw import audit_blocks
-from _workers import MODEL, make_entry, same_cache
+from _content import MODEL, make_entry, same_cache
 from test_blobs import HERE, SMALL, _files, payload_layout, small_blobs  # noqa: F401 (fixtures)
 from promptstore import PromptStore
 from promptstore.format import _blobs
@@ -148,7 +148,7 @@ def test_a_replacing_writer_process_and_a_reader_process(tmp_path, shared_blocks
         sys.path.insert(0, {str(HERE)!r})
         from promptstore import PromptStore
         from promptstore.format import _blobs
-        from _workers import make_entry
+        from _content import make_entry
         _blobs.MIN_PAYLOAD = {blob_min}
         store = PromptStore({str(path)!r})
         keys = [make_entry(11, k, big_every=1)[0] for k in range(3)]

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from _raw import audit_blocks, get_block, raw_manifest, shared_block, write_manifest
-from _workers import MODEL, chat_entry, make_entry, same_cache
+from _content import MODEL, chat_entry, make_entry, same_cache
 from test_crash import check_after_crashes, run_worker
 from promptstore import CorruptEntry, PromptStore, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _payload
@@ -216,7 +216,7 @@ def _killed(path: Path, patch: str, body: str) -> subprocess.CompletedProcess:
         from promptstore import PromptStore
         from promptstore.format import _blobs
         from promptstore.store import _env
-        from _workers import make_entry
+        from _content import make_entry
         _blobs.MIN_PAYLOAD = {SMALL}
         store = PromptStore({str(path)!r})
         def die(*a, **k):

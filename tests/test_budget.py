@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from _raw import audit_blocks, ekey_of, stored_bytes
-from _workers import MODEL, chat_entry, entry_of, make_entry, same_cache
+from _content import MODEL, chat_entry, entry_of, make_entry, same_cache
 from promptstore import InvalidInput, PromptStore, StoreFull
 from promptstore.store import _env
 from promptstore.format import _entry

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _workers import MODEL, make_entry, same_cache
+from _content import MODEL, make_entry, same_cache
 from promptstore import PromptStore, PromptStoreError, StoreUnavailable
 
 HERE = Path(__file__).resolve().parent
@@ -37,7 +37,7 @@ sys.path.insert(0, {here!r})
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
-from _workers import make_entry, same_cache
+from _content import make_entry, same_cache
 from promptstore import PromptStore, PromptStoreError
 from promptstore.format import _blobs, _pages
 

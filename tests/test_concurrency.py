@@ -2,7 +2,7 @@
 
 No errors; every put a writer reported (after it returned) is readable,
 bit-exact, by the other processes; nothing listed ever loads partially. The
-writers put the turns of chats (``_workers.chat_entry``): along a chat entries
+writers put the turns of chats (``_content.chat_entry``): along a chat entries
 share blocks, and every chat of both writers shares the system prompt's, so
 the two processes count references to the same blocks. The map starts at
 2 MiB so it grows (MapResizedError in the others) under load.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from _raw import audit_blocks, referrers
-from _workers import SYSTEM
+from _content import SYSTEM
 from test_crash import run_worker
 
 STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from _raw import audit_blocks, referrers
-from _workers import MODEL, TURNS, chat_entry, make_entry, same_cache
+from _content import MODEL, TURNS, chat_entry, make_entry, same_cache
 from promptstore import PromptStore, PromptStoreError
 from promptstore.store import _keys
 
@@ -26,7 +26,7 @@ STRESS = os.environ.get("PROMPTSTORE_STRESS") == "1"
 
 
 def extra_entries(rng: np.random.Generator):
-    """Entries of more kinds than _workers.make_entry: rotating and quantized KV."""
+    """Entries of more kinds than _content.make_entry: rotating and quantized KV."""
     out = []
     for j in range(3):
         n = 20 + 7 * j

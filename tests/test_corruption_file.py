@@ -15,7 +15,7 @@ import random
 import shutil
 
 from _raw import audit_blocks, referrers
-from _workers import MODEL, TURNS, chat_entry, same_cache
+from _content import MODEL, TURNS, chat_entry, same_cache
 from promptstore import PromptStore
 from test_crash import run_worker
 

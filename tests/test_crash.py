@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from _raw import audit_blocks, audit_packs, referrers, stored_bytes
-from _workers import MODEL, entry_of, same_cache
+from _content import MODEL, entry_of, same_cache
 from promptstore import PromptStore
 
 HERE = Path(__file__).resolve().parent

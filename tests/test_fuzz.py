@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _raw import blocks_of, ekey_of, get_block
-from _workers import MODEL, chat_entry, make_entry
+from _content import MODEL, chat_entry, make_entry
 from promptstore import PromptStore, PromptStoreError
 from promptstore.format import _entry, _payload
 from promptstore.store import _keys

@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from _raw import audit_blocks, referrers
-from _workers import same_cache
+from _content import same_cache
 from promptstore import PromptStore
 
 

@@ -8,7 +8,7 @@ import re
 from click.testing import CliRunner
 
 from _raw import audit_blocks, stored_bytes
-from _workers import MODEL, chat_entry, same_cache
+from _content import MODEL, chat_entry, same_cache
 from conftest import ROOT
 from promptstore import PromptStore
 from promptstore.cli import main

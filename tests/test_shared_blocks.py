@@ -22,7 +22,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from _bits import bits_equal
 from _raw import flip_block, stored_block_sizes
-from _workers import MODEL, _drain, _say, same_cache
+from _content import MODEL, same_cache
+from _workers import _drain, _say
 from conftest import load_fixture, sample_tokens
 from promptstore import PromptStore, UnsupportedVersion, salvage
 from promptstore.format import _blocks, _entry, _payload

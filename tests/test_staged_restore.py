@@ -20,7 +20,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from _raw import blocks_of, flip_block
 from _redis import redis_binary, redis_root, redis_single  # noqa: F401
-from _workers import MODEL, same_cache
+from _content import MODEL, same_cache
 from promptstore import CorruptEntry, PromptStore
 from promptstore.format import _blank, _blobs, _fill
 

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from _raw import audit_blocks, referrers
-from _workers import MODEL, same_cache
+from _content import MODEL, same_cache
 from promptstore import PromptStore
 from promptstore.format import _entry, _pages
 from promptstore.bench import _data as data

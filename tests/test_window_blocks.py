@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from _bits import bits_equal
 from _raw import stored_block_sizes
-from _workers import same_cache
+from _content import same_cache
 from conftest import greedy, load_fixture, sample_tokens
 from promptstore import PromptStore
 from promptstore.jobs.prefill import prefill
