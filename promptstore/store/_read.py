@@ -396,10 +396,8 @@ def _one_pass(
             if k < len(own):
                 digests[k] = _fill.read_summed(blob, views[k], own[k][1].offset)
                 continue
-            for blocks in _runs(tasks[k - len(own)]) if err is None else ():
-                err = _read_run(blocks)
-                if err is not None:
-                    break
+            if err is None:
+                err = _read_tasks(tasks[k - len(own)])
         return err
 
     try:
@@ -481,6 +479,12 @@ def _read_run(run: Sequence[_Block]) -> Optional[str]:
     return next(filter(None, map(_mismatch, run, digests)), None)
 
 
+def _read_tasks(tasks: Sequence[_Block]) -> Optional[str]:
+    """Read and check ``tasks`` (one destination's blocks in files), run by
+    run (:func:`_runs`); the first error message, or None. Stops at it."""
+    return next(filter(None, map(_read_run, _runs(tasks))), None)
+
+
 def _runs(tasks: Sequence[_Block]) -> List[List[_Block]]:
     """``tasks`` (in order) cut into runs of blocks that follow each other in
     one file, each of at most :data:`~promptstore.format._fill.RUN` bytes
@@ -517,10 +521,9 @@ def _read_blocks(groups: Sequence[Tuple[np.ndarray, List[_Block]]], where: str, 
         for dest, tasks in lane:
             if id(dest) in fresh:
                 _fill.populate(dest)
-            for run in _runs(tasks):
-                err = _read_run(run)
-                if err is not None:
-                    return err
+            err = _read_tasks(tasks)
+            if err is not None:
+                return err
         return None
 
     try:
