@@ -93,7 +93,7 @@ def test_readers_and_a_replacing_writer_in_threads(tmp_path, small_blobs, shared
         variants.append(c if shared_blocks else c[:1])
     if shared_blocks:
         monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 256)  # the 320-byte state goes to a blob
-    store = PromptStore(tmp_path / "s", shared_blocks=shared_blocks)
+    store = PromptStore(tmp_path / "s", shared_blocks=shared_blocks, block_tokens=256)  # 4400 tokens: 18 blocks
     stop = time.monotonic() + 3
     errors, reads = [], [0, 0]
 

@@ -75,7 +75,7 @@ def test_files_stay_within_the_budget_under_churn(tmp_path):
 
 def test_sparse_packs_are_rewritten(tmp_path):
     toks, keys = trunks(1, 6000)
-    with PromptStore(tmp_path / "s") as store:
+    with PromptStore(tmp_path / "s", block_tokens=256) as store:  # the prefix's 300 tokens keep a whole block
         # one long entry, then its shorter prefixes; deleting the long one leaves
         # its pack mostly dead (the prefixes keep its first blocks)
         store.put(MODEL, *entry(toks, keys, 0, 6000))
@@ -118,7 +118,7 @@ with PromptStore({path!r}) as store:
 def test_a_kill_while_a_pack_is_rewritten_loses_nothing(tmp_path):
     path = tmp_path / "s"
     toks, keys = trunks(1, 6000)
-    with PromptStore(path) as store:
+    with PromptStore(path, block_tokens=256) as store:  # as above: a pack left sparse, not dead
         store.put(MODEL, *entry(toks, keys, 0, 6000))
         store.put(MODEL, *entry(toks, keys, 0, 300))
         store.delete(MODEL, toks[0][:6000])

@@ -167,11 +167,11 @@ def test_blocks_read_together_are_each_checked_and_named(tmp_path, monkeypatch, 
     error, and nothing stored is lost."""
     monkeypatch.setenv("PROMPTSTORE_RESTORE", mode)
     rng = np.random.default_rng(3)
-    n = 4096  # 16 blocks of 512 KiB per array: 16 MiB, a large entry
+    n = 4096  # 16 blocks of 256 tokens (512 KiB) per array: 16 MiB, a large entry
     tokens = rng.integers(0, 50000, n).tolist()
     kv = KVCache()
     kv.update_and_fetch(*(mx.array(rng.standard_normal((1, 8, n, 128)).astype(np.float16)) for _ in range(2)))
-    with PromptStore(tmp_path / "s") as store:
+    with PromptStore(tmp_path / "s", block_tokens=256) as store:
         store.put(MODEL, tokens, [kv])
         (eid,) = [e.id for e in store.entries()]
         places = sorted((block_place(store, key)[1], key) for key in blocks_of(store, eid))

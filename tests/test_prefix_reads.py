@@ -61,7 +61,7 @@ def block_damage(store: PromptStore, tokens, index: int) -> None:
     ids=["kv", "kv.concat", "kv.quantized", "kv.chunked", "list"],
 )
 def test_prefix_hit_reads_only_the_blocks_it_needs(tmp_path, make):
-    store = PromptStore(tmp_path / "s")
+    store = PromptStore(tmp_path / "s", block_tokens=256)
     n, want = 4000, 1000
     cache = make(n)
     tokens = list(range(n))
@@ -87,7 +87,7 @@ def _quantized(n):
 
 
 def test_exact_hit_and_whole_reads_count_every_byte(tmp_path):
-    store = PromptStore(tmp_path / "s")
+    store = PromptStore(tmp_path / "s", block_tokens=256)
     tokens = list(range(600))
     info = store.put(MODEL, tokens, [kv(600)])
     hit = store.lookup(MODEL, tokens + [1])
@@ -99,7 +99,7 @@ def test_exact_hit_and_whole_reads_count_every_byte(tmp_path):
 
 
 def test_chunked_window_not_from_token_zero_is_read_whole(tmp_path):
-    store = PromptStore(tmp_path / "s")
+    store = PromptStore(tmp_path / "s", block_tokens=256)
     c = ChunkedKVCache(512)
     x = mx.random.normal((1, 2, 1000, 8))
     c.update_and_fetch(x, x)
@@ -116,7 +116,7 @@ def test_chunked_window_not_from_token_zero_is_read_whole(tmp_path):
 def test_damage_past_the_prefix_does_not_touch_a_prefix_hit(tmp_path):
     """Everything a prefix hit reads is checked; what it does not need it
     does not read. The whole entry still fails closed."""
-    store = PromptStore(tmp_path / "s")
+    store = PromptStore(tmp_path / "s", block_tokens=256)
     tokens = list(range(3000))
     cache = [kv(3000)]
     store.put(MODEL, tokens, cache)
@@ -142,7 +142,7 @@ def test_prefix_hit_continues_like_a_fresh_prefill():
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        store = PromptStore(d)
+        store = PromptStore(d, block_tokens=256)
         store.put(MODEL, tokens, cache)
         query = tokens[:700] + [5, 6]
         hit = store.lookup(MODEL, query)

@@ -124,7 +124,7 @@ def test_the_same_entry_from_two_stores_layouts_reads_the_same(tmp_path, chat):
     tokens, caches = chat
     with PromptStore(tmp_path / "s", shared_blocks=False) as plain:
         plain.put(MODEL, tokens[:TURN], caches[0])
-    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+    with PromptStore(tmp_path / "s", shared_blocks=True, block_tokens=256) as store:
         store.put(MODEL, tokens[: 2 * TURN], caches[1])
         assert manifest(store, tokens[:TURN]).bounds == ()  # format 1 as it was
         assert len(manifest(store, tokens[: 2 * TURN]).bounds) >= 2

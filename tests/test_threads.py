@@ -51,7 +51,7 @@ def test_gets_from_several_threads_at_once_are_exact(tmp_path, shared_blocks):
     if shared_blocks:
         caches = _sharing(caches)
     toks = [[s + 1] + list(range(2, n + 1)) for s, n in enumerate(lengths)]
-    with PromptStore(tmp_path / "s", shared_blocks=shared_blocks) as store:
+    with PromptStore(tmp_path / "s", shared_blocks=shared_blocks, block_tokens=256) as store:  # the block counts below
         sizes = [store.put(MODEL, t, c).nbytes for t, c in zip(toks, caches)]
         assert min(sizes[:3]) >= _pages.MIN_PAYLOAD > sizes[3]  # three read with pread, one copied from the map
         assert min(sizes) > _entry.CHUNK  # arrays spanning chunks in both paths

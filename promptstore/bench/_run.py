@@ -92,7 +92,7 @@ FULL = Plan(
     chat=Chat(turns=20, system=1024, user=250, tail=6, answer=256),
     shared=(100, 8100),  # not a multiple of any block size compared: whole conversations pay a partial block
     prefix=(32768, 4000),  # not a multiple of the block size: the partial block is paid
-    block_sizes=(16, 64, 256, 1024),
+    block_sizes=(16, 64, 256, 512, 1024),
 )
 QUICK = Plan(
     data.QUICK, (256, 1024), (2, 2), (10, 50), 3, (100, 1000), (64,), 1, 256,

@@ -35,7 +35,7 @@ import xxhash
 
 from promptstore.errors import CorruptEntry
 
-BLOCK_TOKENS = 256  # a new block spans at most this many tokens
+BLOCK_TOKENS = 512  # a new block spans at most this many tokens (why 512: docs/performance.md)
 ADDRESS = 16  # bytes of a block address
 
 Bounds = Tuple[int, ...]
