@@ -106,6 +106,36 @@ def test_b_restores_what_only_a_stored(tmp_path, remote_url):
         assert b.remote.stats().get("published", 0) == 0  # B does not publish it back
 
 
+def test_a_fetch_reads_its_blocks_into_place(tmp_path, remote_url, monkeypatch):
+    """Blocks are read from the sockets straight into the restored arrays (on
+    one server and on every master of a cluster), and the same fetch through
+    redis-py, where the direct read declines, restores the same bits."""
+    from promptstore.remote import _direct
+
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        t = toks(1100, seed=6)
+        cache = kv_cache(1100, seed=4)
+        a.put(MODEL, t, cache)
+        assert a.remote.flush(10)
+        client = b.remote.remote.client
+        hit = b.lookup(MODEL, t)
+        assert hit is not None and hit.matched == 1100
+        same(hit.cache, cache)
+        assert client.reads["direct"] >= 1 and client.reads["through redis-py"] == 0
+        b.delete(MODEL, t)
+
+        def declines(*args, **kwargs):
+            raise _direct.Unsupported("test")
+
+        monkeypatch.setattr(_direct, "get_into", declines)
+        hit = b.lookup(MODEL, t)
+        assert hit is not None and hit.matched == 1100
+        same(hit.cache, cache)
+        assert client.reads["through redis-py"] >= 1
+        assert b.remote.stats().get("errors", 0) == 0
+
+
 def test_get_exact(tmp_path, remote_url):
     a, b = pair(tmp_path, remote_url)
     with a, b:

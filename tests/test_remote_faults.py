@@ -113,6 +113,34 @@ def test_master_killed_mid_fetch(tmp_path, fresh_cluster):
             assert c.remote.stats()["errors"] >= 1 and c.exists(MODEL, toks(600, seed=77))
 
 
+def test_a_short_block_leaves_the_connection_usable(tmp_path, redis_single):
+    """A block value shorter than its manifest says is refused while it is
+    read into place (the rest of its reply unread); the next fetch, over the
+    same tier, of another entry is exact: no reply is read out of step."""
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_single, ns)
+    first, second = toks(900, seed=1), toks(900, seed=2)
+    caches = {0: noise_cache(900, 11), 1: noise_cache(900, 12)}
+    with PromptStore(tmp_path / "a", remote=url) as a:
+        a.put(MODEL, first, caches[0])
+        assert a.remote.flush(10)
+        r = redis_single.client()
+        only_first = block_keys(r, ns)
+        a.put(MODEL, second, caches[1])
+        assert a.remote.flush(10)
+    k = only_first[len(only_first) // 2]
+    r.set(k, r.get(k)[:-3])
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        assert b.lookup(MODEL, first) is None
+        assert b.remote.stats()["errors.corrupt"] == 1
+        hit = b.lookup(MODEL, second)
+        assert hit is not None and hit.matched == 900
+        same(hit.cache, caches[1])
+        st = b.remote.stats()
+        assert st["hits"] == 1 and st.get("errors.unavailable", 0) == 0
+        assert b.remote.remote.client.reads["through redis-py"] == 0
+
+
 def test_evicted_blocks_are_a_miss(tmp_path, redis_single):
     ns = f"f{next(_ns)}"
     url = url_of(redis_single, ns)

@@ -13,9 +13,11 @@ local tier is emptied before every repeat:
 * ``raw_s``: redis-py pipelined GETs of the same keys (the manifest and
   every block), over one connection, nothing checked or decoded.
 
-``ratio`` is ``raw_s / fetch_s`` (the goal: at least 0.8, the tier's
-throughput at least 80% of the raw reads'); ``lookup_ratio`` is
-``raw_s / lookup_s``. Both stores and the server live in ``workdir``.
+The three run one of each per round, every other round in reverse (as the
+throughput case's operations). ``ratio`` is ``raw_s / fetch_s`` (the goal:
+at least 0.8, the tier's throughput at least 80% of the raw reads');
+``lookup_ratio`` is ``raw_s / lookup_s``. Both stores and the server live
+in ``workdir``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from promptstore.bench import _data as data
-from promptstore.bench._cases import MODEL, _found, median_time
+from promptstore.bench._cases import MODEL, _found, interleaved, median_time
 from promptstore.identity import fingerprint
 from promptstore.jobs.prefill import load_model, prefill
 from promptstore.remote import Key
@@ -100,37 +102,40 @@ def _measure(workdir: Path, url: str, server: Any, shape: data.Shape, n_tokens: 
 
         got: List[Any] = []
 
-        def lookup() -> None:
+        def lookup(keep: bool = False) -> None:
             hit = _found(b.lookup(MODEL, tokens))
             mx.eval([s for layer in hit.cache for s in data._layer_arrays(layer)])
-            got[:] = [hit]
+            if keep:
+                got[:] = [hit]
 
         def fetch() -> None:
             restored = _found(remote.fetch(_found(remote.find(key))))
             mx.eval([s for layer in restored for s in data._layer_arrays(layer)])
 
-        forget()
-        lookup()  # warm: the connection, the allocator
-        exact = got[0].matched == n_tokens and data.same_rows(cache, got[0].cache)
-        lookup_s = median_time(lookup, repeats, before=forget)
-        fetch_s = median_time(fetch, repeats, before=forget)
+        client = server.client(socket_timeout=60)
+        nbytes = [0]
+
+        def raw() -> None:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            nbytes[0] = sum(len(v) for v in pipe.execute())
+
+        try:
+            forget()
+            lookup(keep=True)  # warm: the connection, the allocator
+            exact = got[0].matched == n_tokens and data.same_rows(cache, got[0].cache)
+            got.clear()
+            raw()  # warm: the raw connection
+            # One of each per round, every other round in reverse (as the
+            # throughput case): what one leaves behind (a warm heap, freed
+            # pages) is not always handed to the same one.
+            times = interleaved({"lookup": (forget, lookup), "fetch": (forget, fetch), "raw": (None, raw)}, repeats)
+        finally:
+            client.close()
+        lookup_s, fetch_s, raw_s = times["lookup"], times["fetch"], times["raw"]
         if remote.stats().get("errors", 0):
             raise RuntimeError(f"bench: the remote reads failed: {remote.stats()}")
-
-    client = server.client(socket_timeout=60)
-    nbytes = [0]
-
-    def raw() -> None:
-        pipe = client.pipeline(transaction=False)
-        for k in keys:
-            pipe.get(k)
-        nbytes[0] = sum(len(v) for v in pipe.execute())
-
-    try:
-        raw()  # warm: the connection
-        raw_s = median_time(raw, repeats)
-    finally:
-        client.close()
     shutil.rmtree(workdir / "b", ignore_errors=True)
     return {
         "n_tokens": n_tokens,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import xxhash
@@ -81,12 +81,19 @@ def _hashed_header(kind: str, version: int, dtype: str, shape: Tuple[int, ...]) 
     return xxhash.xxh3_128(_header(kind, version, dtype, shape))
 
 
-def address(kind: str, version: int, dtype: str, shape: Sequence[int], data: Any) -> bytes:
+def address(kind: str, version: int, dtype: str, shape: Sequence[int], data: Any, into: Optional[np.ndarray] = None) -> bytes:
     """The content address of a block: ``data`` is its bytes in C order, or a
     ``[rows, tokens, width]`` view of them whose rows are each contiguous
-    (hashed row by row, no copy)."""
+    (hashed row by row, no copy). With ``into`` (a destination of the same
+    ``[rows, tokens, width]`` shape), ``data`` must be such a view, and each
+    row is copied there right after it is hashed, while it is in the CPU's
+    cache: a whole block of 512 tokens can outgrow the cache between the two."""
     h = _hashed_header(kind, version, dtype, tuple(shape)).copy()
-    if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+    if into is not None:
+        for row, out in zip(data, into):
+            h.update(row)
+            out[...] = row
+    elif isinstance(data, np.ndarray) and not data.flags.c_contiguous:
         for row in data:
             h.update(row)
     else:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from promptstore.errors import RemoteUnavailable, RemoteURLError
+from promptstore.errors import RemoteCorrupt, RemoteUnavailable, RemoteURLError
+from promptstore.remote import _direct
 from promptstore.remote._url import RemoteURL
 
 try:
@@ -37,6 +38,7 @@ class Client:
         self._lock = threading.Lock()
         self._conn: Any = None
         self.cluster = False
+        self.reads = {"direct": 0, "through redis-py": 0}  # get_into calls by the way they read
 
     def _connection(self) -> Any:
         with self._lock:
@@ -102,6 +104,44 @@ class Client:
 
     def get(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
         return self._pipelined([("get", (k,), {}) for k in keys], GET_BATCH)
+
+    def get_into(self, keys: Sequence[bytes], sinks: Sequence[Sequence[memoryview]]) -> List[bool]:
+        """GET every key into its sink (writable byte views filled in order,
+        adding up to the value's length), straight from the socket where it
+        can (``_direct``), else through redis-py; whether each key was there.
+
+        Raises:
+            RemoteUnavailable: the connection failed or the server answered an error.
+            RemoteCorrupt: a value's length differs from its sink's.
+        """
+        if not keys:
+            return []
+        conn = self._connection()
+        try:
+            found = _direct.get_into(conn, self.cluster, keys, sinks)
+            self.reads["direct"] += 1
+            return found
+        except _direct.Unsupported:
+            self.reads["through redis-py"] += 1  # read through redis-py below
+        except _direct.WrongSize as err:
+            raise RemoteCorrupt(f"remote key {keys[err.index]!r}: {err} (truncated?)") from err
+        except Exception as err:
+            self.reset()
+            raise _unavailable(self.url, err) from err
+        found = []
+        for key, value, sink in zip(keys, self.get(keys), sinks):
+            if value is None:
+                found.append(False)
+                continue
+            want = sum(len(v) for v in sink)
+            if len(value) != want:
+                raise RemoteCorrupt(f"remote key {key!r}: {len(value)} bytes, expected {want} (truncated?)")
+            pos = 0
+            for view in sink:
+                view[:] = value[pos : pos + len(view)]
+                pos += len(view)
+            found.append(True)
+        return found
 
     def exists(self, keys: Sequence[bytes]) -> List[bool]:
         return [bool(r) for r in self._pipelined([("exists", (k,), {}) for k in keys])]

@@ -224,15 +224,20 @@ class Remote:
             return None
         local = local or {}
         try:
-            need = [a for a, _ in found.manifest.parts() if a not in local]
-            values = self.client.get([self.layout.block(a) for a in need])
-            got: Dict[bytes, Any] = dict(zip(need, values))
-            cache = _wire.assemble(found.manifest, lambda a: got[a] if a in got else local.get(a),
-                                   f"remote entry {found.ekey.hex()[:16]}")
+            need = {a: n for a, n in found.manifest.parts() if a not in local}
+            keys = {a: self.layout.block(a) for a in need}
+            # The blocks it lacks are read from the sockets straight into the
+            # restored arrays (``Client.get_into``), each checked in place.
+            direct = _wire.Direct(
+                frozenset(need),
+                lambda addrs: self.client.exists([keys[a] for a in addrs]),
+                lambda addrs, sinks: self.client.get_into([keys[a] for a in addrs], sinks),
+            )
+            cache = _wire.assemble(found.manifest, local.get, f"remote entry {found.ekey.hex()[:16]}", direct)
         except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
             self.failed("fetch", err)
             return None
-        self.count("bytes_fetched", sum(len(v) for v in got.values() if v is not None))
+        self.count("bytes_fetched", sum(need.values()))
         self.count("blocks_reused", len(found.manifest.parts()) - len(need))
         return cache
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import msgpack
@@ -300,8 +300,13 @@ def _array(adoc: Any, bounds: Tuple[int, ...], n: int, where: str) -> RArray:
     return RArray(name, dtype, shape, cut, tuple(parts))
 
 
-def check_block(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ...], data: Any, where: str) -> None:
+def check_block(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ...], data: Any, where: str,
+                into: Optional[np.ndarray] = None) -> None:
     """Refuse a block whose bytes do not hash to the address the manifest names.
+
+    ``into``: for a ``cut`` array, the block's ``[rows, tokens, width]``
+    bytes in the destination, each row copied there as it is hashed (see
+    ``_blocks.address``); the copy is left unfinished when the check fails.
 
     Raises:
         RemoteCorrupt
@@ -311,37 +316,82 @@ def check_block(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ...
         raise RemoteCorrupt(f"{where}: block {addr.hex()} has {len(data)} bytes, expected {size} (truncated?)")
     if array.cut:
         start = bounds[index - 1] if index else 0
-        got = _blocks.address(layer.kind, layer.version, array.dtype, _blocks.block_shape(array.shape, start, bounds[index]), data)
+        shape = _blocks.block_shape(array.shape, start, bounds[index])
+        if into is not None:
+            data = np.frombuffer(data, dtype=np.uint8).reshape(into.shape)
+        got = _blocks.address(layer.kind, layer.version, array.dtype, shape, data, into)
     else:
         got = _blocks.address(layer.kind, layer.version, _PIECE_DTYPE, (size,), data)
     if got != addr:
         raise RemoteCorrupt(f"{where}: block {addr.hex()} does not match its address (damaged)")
 
 
-def assemble(man: RManifest, block: Callable[[bytes], Any], where: str) -> List[Any]:
+def check_placed(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ...], placed: np.ndarray, where: str) -> None:
+    """Refuse a block read straight into the destination whose bytes there
+    (``placed``: ``[rows, tokens, width]`` for a ``cut`` array, else its
+    bytes) do not hash to the address the manifest names.
+
+    Raises:
+        RemoteCorrupt
+    """
+    addr, size = array.parts[index]
+    if array.cut:
+        start = bounds[index - 1] if index else 0
+        got = _blocks.address(layer.kind, layer.version, array.dtype, _blocks.block_shape(array.shape, start, bounds[index]), placed)
+    else:
+        got = _blocks.address(layer.kind, layer.version, _PIECE_DTYPE, (size,), placed)
+    if got != addr:
+        raise RemoteCorrupt(f"{where}: block {addr.hex()} does not match its address (damaged)")
+
+
+@dataclass(frozen=True)
+class Direct:
+    """Blocks read straight into the destination (``Client.get_into``) rather
+    than handed over as bytes: ``present(addresses)`` says which are there,
+    ``read(addresses, sinks)`` reads each into its writable views (in order)
+    and says which were there."""
+
+    addresses: FrozenSet[bytes]
+    present: Callable[[Sequence[bytes]], List[bool]]
+    read: Callable[[Sequence[bytes], Sequence[Sequence[memoryview]]], List[bool]]
+
+
+def assemble(man: RManifest, block: Callable[[bytes], Any], where: str, direct: Optional[Direct] = None) -> List[Any]:
     """The entry's cache: every block from ``block(address)`` (bytes, or
-    None when gone), checked against its address, copied into fresh mlx
-    arrays and decoded by the layers' codecs.
+    None when gone), or for those in ``direct`` read into place, checked
+    against its address, copied into fresh mlx arrays and decoded by the
+    layers' codecs.
 
     Raises:
         RemoteMissing: a block is gone.
         RemoteCorrupt: a block fails its check, or a codec refuses the layer.
+        RemoteUnavailable: reading the ``direct`` blocks failed.
         UnknownStorageKind, UnsupportedVersion: written by a newer promptstore.
     """
     n = len(man.tokens)
     starts = (0,) + man.bounds[:-1]
+    placed = direct.addresses if direct is not None else frozenset()
     # Every block is there, with the size the manifest gives it, before
-    # anything is allocated: a crafted manifest may claim any size.
+    # anything is allocated: a crafted manifest may claim any size. (A block
+    # read into place is checked for its size as it is read.)
     for li, layer in enumerate(man.layers):
         for a in layer.arrays:
             got = 0
             for addr, size in a.parts:
+                if addr in placed:
+                    got += size
+                    continue
                 data = block(addr)
                 if data is None:
                     raise RemoteMissing(f"{where} layer {li}: block {addr.hex()} is gone from the remote (evicted?)")
                 got += len(data)
             if got != a.nbytes:
                 raise RemoteCorrupt(f"{where} layer {li}: array {a.name!r} has {got} bytes in its blocks, {a.nbytes} claimed")
+    if direct is not None and placed:
+        ask = sorted(placed)
+        for addr, there in zip(ask, direct.present(ask)):
+            if not there:
+                raise RemoteMissing(f"{where}: block {addr.hex()} is gone from the remote (evicted?)")
     sizes = [a.nbytes for layer in man.layers for a in layer.arrays]
     flat = [(li, layer, a) for li, layer in enumerate(man.layers) for a in layer.arrays]
 
@@ -352,16 +402,30 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str) -> List[
             lead = math.prod(a.shape[:-2])
             grid = host.reshape(lead, n, -1)
         pos = 0
+        reads: List[Tuple[int, bytes, np.ndarray]] = []  # blocks read into place: (index, address, destination)
         for idx, (addr, size) in enumerate(a.parts):
-            data = block(addr)
-            check_block(layer, a, idx, man.bounds, data, f"{where} layer {li}")
-            src = np.frombuffer(data, dtype=np.uint8)
             if a.cut:
-                s, e = starts[idx], man.bounds[idx]
-                grid[:, s:e, :] = src.reshape(lead, e - s, -1)
+                dest = grid[:, starts[idx] : man.bounds[idx], :]
             else:
-                host[pos : pos + size] = src
+                dest = host[pos : pos + size]
                 pos += size
+            if addr in placed:
+                reads.append((idx, addr, dest))
+                continue
+            data = block(addr)
+            if a.cut:  # checked and copied row by row
+                check_block(layer, a, idx, man.bounds, data, f"{where} layer {li}", dest)
+            else:
+                check_block(layer, a, idx, man.bounds, data, f"{where} layer {li}")
+                dest[...] = np.frombuffer(data, dtype=np.uint8)
+        if reads:
+            assert direct is not None
+            sinks = [[row.reshape(-1).data for row in dest] if a.cut else [dest.data] for _, _, dest in reads]
+            found = direct.read([addr for _, addr, _ in reads], sinks)
+            for (idx, addr, dest), there in zip(reads, found):
+                if not there:
+                    raise RemoteMissing(f"{where} layer {li}: block {addr.hex()} is gone from the remote (evicted?)")
+                check_placed(layer, a, idx, man.bounds, dest, f"{where} layer {li}")
 
     # Large entries go straight into fresh mlx buffers (one copy): written
     # inside mlx's loader where restores are staged (the CUDA backend), else
