@@ -319,3 +319,45 @@ def test_sigkill_during_shared_puts_deletes_and_evictions(tmp_path):
                 assert got.offset == n
                 assert bits_equal(got.keys, keys[..., :n, :]).item() and bits_equal(got.values, values[..., :n, :]).item()
     assert done >= kills  # the writers got work done between the kills
+
+
+def test_conversations_that_cannot_trim_share_a_short_system_prompt(tmp_path):
+    """Entries that cannot be trimmed (here: a recurrent layer) serve only
+    as exact prefixes, so a conversation that shares nothing but a system
+    prompt shorter than a block with the stored ones finds no entry to cut
+    like. It is cut at the longest prefix the index holds (whole 64-token
+    nodes), so from the second such conversation on the prompt's blocks are
+    shared; every entry still restores bit-exact."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    from _raw import referrers
+
+    rng = np.random.default_rng(5)
+    system = 300  # under one block (512 tokens): only the node bound at 256 is known
+    sys_tokens = rng.integers(3, 30000, system).tolist()
+    sys_kv = [rng.standard_normal((1, 2, system, 32)).astype(np.float16) for _ in range(2)]
+
+    def conversation(i: int):
+        own = np.random.default_rng(100 + i)
+        n = 150
+        tokens = sys_tokens + own.integers(3, 30000, n).tolist()
+        kv = KVCache()
+        kv.update_and_fetch(*(mx.array(np.concatenate([s, own.standard_normal((1, 2, n, 32)).astype(np.float16)], axis=2))
+                              for s in sys_kv))
+        state = ArraysCache(1)
+        state[0] = mx.array(own.standard_normal((1, 4, 8)).astype(np.float32))
+        return tokens, [kv, state]
+
+    convs = [conversation(i) for i in range(3)]
+    with PromptStore(tmp_path / "s") as store:
+        for tokens, cache in convs:
+            assert not store.put(MODEL, tokens, cache).trimmable
+        with store.env.read() as txn:
+            bounds = [store._manifest(txn, _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(t))).bounds
+                      for t, _ in convs]
+        assert bounds == [(450,), (256, 450), (256, 450)]
+        shared = [who for who in referrers(store).values() if len(who) > 1]
+        assert len(shared) == 2  # the prompt's first 256 tokens' keys and values, named by conversations 2 and 3
+        for tokens, cache in convs:
+            assert same_cache(store.get(MODEL, tokens), cache)
+        assert store.verify().ok

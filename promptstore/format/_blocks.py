@@ -16,7 +16,10 @@ whenever it is read.
 Bounds are chosen when an entry is written (see ``store._write``): the bounds
 of the stored entry that shares the longest prefix with it, up to that
 prefix, a cut at the end of that prefix, then every :data:`BLOCK_TOKENS`
-tokens, then the entry's length. So a conversation that grows turn by turn
+tokens, then the entry's length (when no stored entry can serve the new
+one, as with entries that cannot be trimmed and share only a system
+prompt, the longest prefix the prefix index holds stands in for the shared
+prefix: ``_index.indexed_prefix``). So a conversation that grows turn by turn
 reuses every block of its previous turn, the partial last block included:
 the next turn's blocks start where it ended, and no token's bytes are stored
 twice along one chain. Conversations that branch off a stored one (after a

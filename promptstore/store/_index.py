@@ -302,6 +302,17 @@ def _neighbours(cur, nk: bytes, query: bytes) -> Iterator[bytes]:
         yield bytes(cur.value())
 
 
+def indexed_prefix(txn, dbs: Tables, mid: bytes, toks: np.ndarray) -> int:
+    """The longest prefix of ``toks``, in whole ``BLOCK``s, that a stored
+    entry of model ``mid`` starts with (0: none): the deepest node the query
+    reaches. Nodes only count entries, so which entry is not known, and the
+    hash is trusted (a collision only misplaces a block bound)."""
+    if len(toks) < BLOCK:
+        return 0
+    hashes = _keys.prefix_hashes(toks)
+    return max(0, _deepest(txn, dbs, mid, hashes, len(toks))) * BLOCK
+
+
 def exact(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[int, bytes, Manifest]]:
     """Stored entries that are exact prefixes of ``toks`` (``toks`` included), longest first."""
     hashes = _keys.prefix_hashes(toks)

@@ -386,13 +386,22 @@ class EntryWriter:
     def _base(self, model: str, mid: bytes, toks: np.ndarray) -> Tuple[Tuple[int, ...], int]:
         """The block bounds of the stored entry sharing the longest prefix
         with ``toks``, and the length of that prefix (``((), 0)``: none).
+
+        When no stored entry can serve ``toks`` (none is a prefix of it and
+        no trimmable one shares a prefix with it: the conversations of a
+        model with recurrent layers, stored whole), ``((), p)``: ``p`` the
+        longest prefix, in whole blocks of the prefix index, that a stored
+        entry of the model starts with. So a conversation that shares a
+        system prompt with a stored one is cut inside the prompt, and from
+        the next such conversation on the blocks up to there are shared.
+
         Read from a snapshot before the write: a stale answer only costs
         blocks that are not shared."""
         with self._env.read() as txn:
             for _key, matched, man in _index.candidates(txn, self._db, mid, toks, lambda key: self._readable(txn, key)):
                 if man.model == model and man.bounds:
                     return man.bounds, matched
-        return (), 0
+            return (), _index.indexed_prefix(txn, self._db, mid, toks)
 
     def _has_pack(self, pack: int) -> bool:
         """Whether the store records pack ``pack`` (True when that cannot be
