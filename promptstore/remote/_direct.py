@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 _CHUNK = 1 << 16  # bytes asked of the socket while looking for a reply's header
 _MAX_LINE = 1 << 16  # a header (or an error line) longer than this is not RESP
+_NEEDS = ("connect", "can_read", "pack_commands", "send_packed_command", "disconnect")  # of a redis-py connection
 
 
 class Unsupported(Exception):
@@ -155,6 +156,8 @@ def get_into(conn: Any, cluster: bool, keys: Sequence[bytes], sinks: Sequence[Se
         for pool, idx in groups:
             c = _take(pool)
             taken.append((pool, c))
+            if not all(hasattr(c, name) for name in _NEEDS):
+                raise Unsupported("this redis-py's connections lack what a direct read uses")
             c.connect()
             if getattr(c, "_sock", None) is None or c.can_read(timeout=0):
                 raise Unsupported("the connection has no socket of its own, or data already waits on it")
