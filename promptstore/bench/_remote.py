@@ -100,13 +100,10 @@ def _measure(workdir: Path, url: str, server: Any, shape: data.Shape, n_tokens: 
         def forget() -> None:
             b.delete(MODEL, tokens)
 
-        got: List[Any] = []
-
-        def lookup(keep: bool = False) -> None:
+        def lookup() -> Any:
             hit = _found(b.lookup(MODEL, tokens))
             mx.eval([s for layer in hit.cache for s in data._layer_arrays(layer)])
-            if keep:
-                got[:] = [hit]
+            return hit
 
         def fetch() -> None:
             restored = _found(remote.fetch(_found(remote.find(key))))
@@ -123,9 +120,9 @@ def _measure(workdir: Path, url: str, server: Any, shape: data.Shape, n_tokens: 
 
         try:
             forget()
-            lookup(keep=True)  # warm: the connection, the allocator
-            exact = got[0].matched == n_tokens and data.same_rows(cache, got[0].cache)
-            got.clear()
+            hit = lookup()  # warm: the connection, the allocator
+            exact = hit.matched == n_tokens and data.same_rows(cache, hit.cache)
+            del hit
             raw()  # warm: the raw connection
             # One of each per round, every other round in reverse (as the
             # throughput case): what one leaves behind (a warm heap, freed

@@ -314,22 +314,17 @@ def check_block(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ...
     addr, size = array.parts[index]
     if len(data) != size:
         raise RemoteCorrupt(f"{where}: block {addr.hex()} has {len(data)} bytes, expected {size} (truncated?)")
-    if array.cut:
-        start = bounds[index - 1] if index else 0
-        shape = _blocks.block_shape(array.shape, start, bounds[index])
-        if into is not None:
-            data = np.frombuffer(data, dtype=np.uint8).reshape(into.shape)
-        got = _blocks.address(layer.kind, layer.version, array.dtype, shape, data, into)
-    else:
-        got = _blocks.address(layer.kind, layer.version, _PIECE_DTYPE, (size,), data)
-    if got != addr:
-        raise RemoteCorrupt(f"{where}: block {addr.hex()} does not match its address (damaged)")
+    if array.cut and into is not None:
+        data = np.frombuffer(data, dtype=np.uint8).reshape(into.shape)
+    check_placed(layer, array, index, bounds, data, where, into)
 
 
-def check_placed(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ...], placed: np.ndarray, where: str) -> None:
-    """Refuse a block read straight into the destination whose bytes there
-    (``placed``: ``[rows, tokens, width]`` for a ``cut`` array, else its
-    bytes) do not hash to the address the manifest names.
+def check_placed(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ...], placed: Any, where: str,
+                 into: Optional[np.ndarray] = None) -> None:
+    """Refuse a block whose bytes (``placed``: for a ``cut`` array its bytes
+    or a ``[rows, tokens, width]`` view of them, as read straight into the
+    destination; ``into`` as :func:`check_block`'s) do not hash to the
+    address the manifest names.
 
     Raises:
         RemoteCorrupt
@@ -337,11 +332,16 @@ def check_placed(layer: RLayer, array: RArray, index: int, bounds: Tuple[int, ..
     addr, size = array.parts[index]
     if array.cut:
         start = bounds[index - 1] if index else 0
-        got = _blocks.address(layer.kind, layer.version, array.dtype, _blocks.block_shape(array.shape, start, bounds[index]), placed)
+        shape = _blocks.block_shape(array.shape, start, bounds[index])
+        got = _blocks.address(layer.kind, layer.version, array.dtype, shape, placed, into)
     else:
         got = _blocks.address(layer.kind, layer.version, _PIECE_DTYPE, (size,), placed)
     if got != addr:
         raise RemoteCorrupt(f"{where}: block {addr.hex()} does not match its address (damaged)")
+
+
+def _gone(where: str, addr: bytes) -> RemoteMissing:
+    return RemoteMissing(f"{where}: block {addr.hex()} is gone from the remote (evicted?)")
 
 
 @dataclass(frozen=True)
@@ -383,7 +383,7 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str, direct: 
                     continue
                 data = block(addr)
                 if data is None:
-                    raise RemoteMissing(f"{where} layer {li}: block {addr.hex()} is gone from the remote (evicted?)")
+                    raise _gone(f"{where} layer {li}", addr)
                 got += len(data)
             if got != a.nbytes:
                 raise RemoteCorrupt(f"{where} layer {li}: array {a.name!r} has {got} bytes in its blocks, {a.nbytes} claimed")
@@ -391,7 +391,7 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str, direct: 
         ask = sorted(placed)
         for addr, there in zip(ask, direct.present(ask)):
             if not there:
-                raise RemoteMissing(f"{where}: block {addr.hex()} is gone from the remote (evicted?)")
+                raise _gone(where, addr)
     sizes = [a.nbytes for layer in man.layers for a in layer.arrays]
     flat = [(li, layer, a) for li, layer in enumerate(man.layers) for a in layer.arrays]
 
@@ -424,7 +424,7 @@ def assemble(man: RManifest, block: Callable[[bytes], Any], where: str, direct: 
             found = direct.read([addr for _, addr, _ in reads], sinks)
             for (idx, addr, dest), there in zip(reads, found):
                 if not there:
-                    raise RemoteMissing(f"{where} layer {li}: block {addr.hex()} is gone from the remote (evicted?)")
+                    raise _gone(f"{where} layer {li}", addr)
                 check_placed(layer, a, idx, man.bounds, dest, f"{where} layer {li}")
 
     # Large entries go straight into fresh mlx buffers (one copy): written

@@ -302,14 +302,12 @@ def _neighbours(cur, nk: bytes, query: bytes) -> Iterator[bytes]:
         yield bytes(cur.value())
 
 
-def indexed_prefix(txn, dbs: Tables, mid: bytes, toks: np.ndarray) -> int:
-    """The longest prefix of ``toks``, in whole ``BLOCK``s, that a stored
-    entry of model ``mid`` starts with (0: none): the deepest node the query
-    reaches. Nodes only count entries, so which entry is not known, and the
-    hash is trusted (a collision only misplaces a block bound)."""
-    if len(toks) < BLOCK:
-        return 0
-    hashes = _keys.prefix_hashes(toks)
+def indexed_prefix(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray) -> int:
+    """The longest prefix of ``toks`` (``hashes = prefix_hashes(toks)``), in
+    whole ``BLOCK``s, that a stored entry of model ``mid`` starts with (0:
+    none): the deepest node the query reaches. Nodes only count entries, so
+    which entry is not known, and the hash is trusted (a collision only
+    misplaces a block bound)."""
     return max(0, _deepest(txn, dbs, mid, hashes, len(toks))) * BLOCK
 
 
@@ -321,13 +319,16 @@ def exact(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: ManifestOf) 
         yield from exact_prefixes(txn, dbs, mid, toks, hashes, deepest, manifest)
 
 
-def candidates(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: ManifestOf) -> Iterator[Tuple[bytes, int, Manifest]]:
+def candidates(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: ManifestOf,
+               hashes: Optional[np.ndarray] = None) -> Iterator[Tuple[bytes, int, Manifest]]:
     """Usable entries best first: ``(entry key, tokens usable, manifest)``.
 
     The longest exact prefix, unless a trimmable entry shares more with the
     query; then the shorter exact prefixes, should the better ones be damaged.
+    ``hashes``: ``prefix_hashes(toks)``, when the caller has them.
     """
-    hashes = _keys.prefix_hashes(toks)
+    if hashes is None:
+        hashes = _keys.prefix_hashes(toks)
     deepest = _deepest(txn, dbs, mid, hashes, len(toks))
     if deepest < 0:
         return

@@ -397,11 +397,12 @@ class EntryWriter:
 
         Read from a snapshot before the write: a stale answer only costs
         blocks that are not shared."""
+        hashes = _keys.prefix_hashes(toks)
         with self._env.read() as txn:
-            for _key, matched, man in _index.candidates(txn, self._db, mid, toks, lambda key: self._readable(txn, key)):
+            for _key, matched, man in _index.candidates(txn, self._db, mid, toks, lambda key: self._readable(txn, key), hashes):
                 if man.model == model and man.bounds:
                     return man.bounds, matched
-            return (), _index.indexed_prefix(txn, self._db, mid, toks)
+            return (), _index.indexed_prefix(txn, self._db, mid, toks, hashes)
 
     def _has_pack(self, pack: int) -> bool:
         """Whether the store records pack ``pack`` (True when that cannot be
