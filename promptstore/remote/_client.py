@@ -136,9 +136,9 @@ class Client:
             want = sum(len(v) for v in sink)
             if len(value) != want:
                 raise RemoteCorrupt(f"remote key {key!r}: {len(value)} bytes, expected {want} (truncated?)")
-            pos = 0
+            pos, src = 0, memoryview(value)
             for view in sink:
-                view[:] = value[pos : pos + len(view)]
+                view[:] = src[pos : pos + len(view)]
                 pos += len(view)
             found.append(True)
         return found
