@@ -131,6 +131,22 @@ def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout (raw integers, ISO-8601 UTC).")(fn)
 
 
+def _store_here(ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    obj = ctx.find_object(Ctx)
+    if value is not None and obj is not None:
+        obj.store_path = value  # the store opens lazily, in the command's body: nothing is open yet
+    return value
+
+
+def store_option(fn: Callable) -> Callable:
+    """``--store DIR`` after the command as well as before it
+    (``promptstore ls --store DIR``): the group's option, which it overrides."""
+    return click.option(
+        "--store", "store_path", type=click.Path(file_okay=False), default=None, expose_value=False,
+        callback=_store_here, help="Store directory, as the global --store (given here, it wins).",
+    )(fn)
+
+
 class Command(click.Command):
     """A click command whose usage errors are JSON too when ``--json`` was given.
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import click
 
-from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
+from promptstore.cli._common import command, emit_json, format_size, guarded, json_option, store_option
 
 
 @command()
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from promptstore import ModelMismatch
-from promptstore.cli._common import check_output, command, emit_json, format_size, guarded, info_json, json_option
+from promptstore.cli._common import check_output, command, emit_json, format_size, guarded, info_json, json_option, store_option
 from promptstore.cli._model import MODEL_HELP, identities
 from promptstore.jobs.interop import export_entry
 
@@ -21,6 +21,7 @@ from promptstore.jobs.interop import export_entry
     help=MODEL_HELP + " Checked against the entry and recorded in the file: mlx_lm.generate loads "
     "the model the file names, and refuses any other --model.",
 )
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -6,7 +6,7 @@ import re
 
 import click
 
-from promptstore.cli._common import command, emit_json, fail, format_size, guarded, json_option
+from promptstore.cli._common import command, emit_json, fail, format_size, guarded, json_option, store_option
 from promptstore.cli.rm import interactive
 
 
@@ -32,6 +32,7 @@ def parse_bytes(text: str) -> int:
 @click.option("--budget", default=None, metavar="SIZE", help="Set the store's byte budget (remembered), e.g. 20GB or 16GiB; 'none' removes it.")
 @click.option("--dry-run", is_flag=True, help="Show what would be evicted; change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Evict without asking (required without a terminal).")
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from promptstore.cli._common import check_output, command, emit_json, guarded, info_json, json_option
+from promptstore.cli._common import check_output, command, emit_json, guarded, info_json, json_option, store_option
 from promptstore.cli._model import best_lookup, check_length, load, model_options
 from promptstore.cli._prompt import prompt_options, prompt_tokens
 from promptstore.cli.put import progress_bar
@@ -27,6 +27,7 @@ _PARTIAL = 0.5
     help="Write an mlx-lm prompt-cache file (.safetensors) covering the whole prompt, for "
     "`mlx_lm.generate --prompt-cache-file`; tokens the store lacks are prefilled.",
 )
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option
+from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
 from promptstore.cli._model import load, model_options
 from promptstore.cli._prompt import encode, prompt_options, read_prompt
 from promptstore.cli.put import parse_meta
@@ -22,6 +22,7 @@ from promptstore.jobs.interop import import_mlx_cache_file
     help="Store the file even when its end cannot be checked against the prompt (a hybrid model's "
     "file of more than the first few tokens): you vouch that it was made from exactly this prompt.",
 )
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -8,7 +8,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import click
 
 from promptstore import EntryInfo
-from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option
+from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
 from promptstore.cli._select import key_length, model_filter, model_help
 from promptstore.remote import Remote
 from promptstore.store._keys import entry_id
@@ -109,6 +109,7 @@ def remote_infos(remote: Remote) -> Tuple[List[EntryInfo], int]:
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most N entries.")
 @click.option("--remote", "from_remote", is_flag=True,
               help="List the shared tier's entries (the global --remote URL or PROMPTSTORE_REMOTE), not the local store's.")
+@store_option
 @json_option
 @click.pass_obj
 @guarded

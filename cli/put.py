@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option
+from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
 from promptstore.cli._model import check_length, load, model_options
 from promptstore.cli._prompt import encode, prompt_options, read_prompt
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints, prefill_with_checkpoints
@@ -44,6 +44,7 @@ def progress_bar(total: int):
     help="With --messages on a model whose cache cannot be trimmed (hybrid, sliding window): "
     "also store the cache at the end of the system message and of each user turn.",
 )
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import click
 
-from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option
+from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option, store_option
 from promptstore.cli._select import key_length, model_filter, model_help, parse_duration
 from promptstore.cli.ls import entry_rows, plural, render_table
 
@@ -23,6 +23,7 @@ def interactive() -> bool:
 @click.option("--older-than", "older_than", default=None, metavar="DURATION", help="Remove entries last used longer ago than this (7d, 12h, 30m).")
 @click.option("--dry-run", is_flag=True, help="Show the plan; delete nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Delete without asking (required without a terminal).")
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from promptstore.cli._common import command, emit_json, guarded, json_option, model_option
+from promptstore.cli._common import command, emit_json, guarded, json_option, model_option, store_option
 from promptstore.cli._model import MODEL_HELP, model_folder
 from promptstore.serving import DEFAULT_CHECKPOINTS
 from promptstore.serving._server import serve as run_server
@@ -38,6 +38,7 @@ from promptstore.serving._server import serve as run_server
     metavar="N",
     help="Tokens drafted per verify round (mlx_lm.server's default: 3).",
 )
+@store_option
 @json_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj

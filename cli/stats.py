@@ -10,7 +10,7 @@ from typing import Any, DefaultDict, Dict
 import click
 
 from promptstore import RemoteError
-from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
+from promptstore.cli._common import command, emit_json, format_size, guarded, json_option, store_option
 from promptstore.cli.ls import plural, remote_infos, render_table
 from promptstore.remote import RemoteTier
 
@@ -83,6 +83,7 @@ def collect_remote(tier: RemoteTier) -> Dict[str, Any]:
 
 
 @command()
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from promptstore.cli._common import command, emit_json, guarded, json_option
+from promptstore.cli._common import command, emit_json, guarded, json_option, store_option
 
 
 @command()
@@ -16,6 +16,7 @@ from promptstore.cli._common import command, emit_json, guarded, json_option
     help="Delete damaged entries, orphaned chunks, blocks and blob files, repair block reference counts, "
     "and rebuild the index. Entries written by a newer promptstore are kept.",
 )
+@store_option
 @json_option
 @click.pass_obj
 @guarded

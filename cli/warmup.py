@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 import click
 
 from promptstore import warmup as run_warmup
-from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
+from promptstore.cli._common import command, emit_json, format_size, guarded, json_option, store_option
 from promptstore.cli._model import load, model_options
 from promptstore.cli._prompt import templating_options
 from promptstore.identity import context_length
@@ -53,6 +53,7 @@ class _Bar:
     type=click.IntRange(min=0),
     help="For caches that cannot be trimmed (hybrid models), also store a checkpoint every N tokens; 0: message boundaries only.",
 )
+@store_option
 @json_option
 @click.pass_obj
 @guarded

@@ -149,6 +149,36 @@ def test_read_commands_never_create_a_store(tmp_path):
     assert not missing.exists()
 
 
+STORE_COMMANDS = ("compact", "export", "gc", "get", "import", "ls", "put", "rm", "serve", "stats", "verify", "warmup")
+
+
+def test_store_option_goes_after_the_command_too(tmp_path):
+    """``promptstore ls --store DIR`` as well as ``promptstore --store DIR ls``;
+    given after the command it wins over the global option and PROMPTSTORE_DIR."""
+    store, other, env_dir = tmp_path / "s", tmp_path / "other", tmp_path / "env"
+    env = {"PROMPTSTORE_DIR": str(env_dir)}
+    entry = json.loads(invoke(None, "put", "--model", LLAMA, "--prompt", PROMPT, "--store", str(store), "--json", env=env).stdout)
+    assert (store / "data.mdb").is_file() and not env_dir.exists()
+    for global_store in (None, other):
+        rows = json.loads(invoke(global_store, "ls", "--store", str(store), "--json", env=env).stdout)
+        assert [r["id"] for r in rows] == [entry["id"]]
+        got = json.loads(invoke(global_store, "get", "--model", LLAMA, "--prompt", PROMPT, "--store", str(store), "--json", env=env).stdout)
+        assert got["matched"] == entry["tokens"] and got["entry"]["id"] == entry["id"]
+    assert json.loads(invoke(other, "stats", "--store", str(store), "--json").stdout)["path"] == str(store)
+    assert not other.exists() and not env_dir.exists()  # nothing created where the option was overridden
+    # a read command pointed after the command at a missing store creates none
+    assert json.loads(invoke(None, "ls", "--store", str(tmp_path / "later"), "--json").stdout) == []
+    assert not (tmp_path / "later").exists()
+    # a file is no store folder: a usage error, JSON under --json, nothing touched
+    doc = error(None, "ls", "--store", str(store / "data.mdb"), code=2)
+    assert doc["error"] == "UsageError" and "--store" in doc["message"]
+    for name in STORE_COMMANDS:
+        assert "--store DIRECTORY" in invoke(None, name, "--help").stdout, name
+    for name in ("salvage", "bench"):  # they name their stores otherwise (SRC DST; their own scratch folder)
+        assert "--store DIRECTORY" not in invoke(None, name, "--help").stdout, name
+    assert json.loads(invoke(store, "verify", "--json").stdout)["ok"]
+
+
 @pytest.fixture
 def read_only_store(tmp_path):
     """A store on a read-only bind mount (EROFS even for root)."""
