@@ -118,6 +118,11 @@ def format_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(n: int, word: str = "entry") -> str:
+    """``1 entry``, ``2 entries``, ``3 nodes``."""
+    return f"{n} {word if n == 1 else (word[:-1] + 'ies' if word.endswith('y') else word + 's')}"
+
+
 def iso(dt: datetime) -> str:
     """ISO-8601 UTC with a Z, as every --json output uses."""
     return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

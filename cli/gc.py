@@ -6,7 +6,7 @@ import re
 
 import click
 
-from promptstore.cli._common import command, emit_json, fail, format_size, guarded, json_option, store_option
+from promptstore.cli._common import command, emit_json, fail, format_size, guarded, json_option, plural, store_option
 from promptstore.cli.rm import interactive
 
 
@@ -51,7 +51,7 @@ def gc(obj, budget, dry_run, yes, as_json):
     if not as_json:
         click.echo(f"budget {format_size(target) if target is not None else 'none'}; in use {format_size(store.usage())}")
         if evicting:
-            click.echo(f"plan: evict {len(evicting)} entries, {format_size(plan.freed)} (least recently used first)")
+            click.echo(f"plan: evict {plural(len(evicting))}, {format_size(plan.freed)} (least recently used first)")
     if dry_run:
         if as_json:
             emit_json({"dry_run": True, "budget": target, "evict": list(evicting), "bytes": plan.freed if plan else 0,
@@ -61,8 +61,8 @@ def gc(obj, budget, dry_run, yes, as_json):
         return
     if evicting and not yes:
         if not interactive():
-            fail("NeedsConfirmation", f"refusing to evict {len(evicting)} entries without a terminal to confirm; pass --yes", as_json)
-        if not click.confirm(f"Evict {len(evicting)} entries, {format_size(plan.freed)}?", default=False, err=True):
+            fail("NeedsConfirmation", f"refusing to evict {plural(len(evicting))} without a terminal to confirm; pass --yes", as_json)
+        if not click.confirm(f"Evict {plural(len(evicting))}, {format_size(plan.freed)}?", default=False, err=True):
             fail("Aborted", "not confirmed; nothing evicted", as_json)
     # Exactly the confirmed plan is evicted: entries used or added since do not change it.
     if budget is not None:
@@ -74,5 +74,5 @@ def gc(obj, budget, dry_run, yes, as_json):
         emit_json({"dry_run": False, "budget": store.budget, "evicted": list(evicted),
                    "usage": store.usage(), "file_bytes": store.file_size()})
     else:
-        click.echo(f"evicted {len(evicted)} entries; in use {format_size(store.usage())}; "
+        click.echo(f"evicted {plural(len(evicted))}; in use {format_size(store.usage())}; "
                    f"file {format_size(store.file_size())} (run `promptstore compact` to shrink it)")

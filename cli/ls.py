@@ -8,7 +8,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import click
 
 from promptstore import EntryInfo
-from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
+from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, plural, store_option
 from promptstore.cli._select import key_length, model_filter, model_help
 from promptstore.remote import Remote
 from promptstore.store._keys import entry_id
@@ -52,10 +52,6 @@ def entry_rows(infos, keylen: int, own: Optional[Dict[str, int]] = None):
 def local_time(dt) -> str:
     """A table's time: this machine's local time, to the minute."""
     return dt.astimezone().strftime("%Y-%m-%d %H:%M")
-
-
-def plural(n: int, word: str = "entry") -> str:
-    return f"{n} {word if n == 1 else (word[:-1] + 'ies' if word.endswith('y') else word + 's')}"
 
 
 @contextmanager

@@ -7,9 +7,9 @@ from datetime import datetime, timezone
 
 import click
 
-from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option, store_option
+from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option, plural, store_option
 from promptstore.cli._select import key_length, model_filter, model_help, parse_duration
-from promptstore.cli.ls import entry_rows, plural, render_table
+from promptstore.cli.ls import entry_rows, render_table
 
 
 def interactive() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from promptstore.store._salvage import salvage as run_salvage
-from promptstore.cli._common import command, emit_json, guarded, json_option
+from promptstore.cli._common import command, emit_json, guarded, json_option, plural
 
 
 @command()
@@ -32,4 +32,4 @@ def salvage(src, dst, as_json):
     if report.unreadable_tables:
         click.echo(f"warning: tables partly unreadable: {', '.join(report.unreadable_tables)}", err=True)
     scanned = f" ({len(report.scanned)} found by scanning the data file's bytes)" if report.scanned else ""
-    click.echo(f"salvaged {len(report.copied)} entries into {report.dst}{scanned}; {len(report.skipped)} left behind")
+    click.echo(f"salvaged {plural(len(report.copied))} into {report.dst}{scanned}; {len(report.skipped)} left behind")

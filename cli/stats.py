@@ -10,8 +10,8 @@ from typing import Any, DefaultDict, Dict
 import click
 
 from promptstore import RemoteError
-from promptstore.cli._common import command, emit_json, format_size, guarded, json_option, store_option
-from promptstore.cli.ls import plural, remote_infos, render_table
+from promptstore.cli._common import command, emit_json, format_size, guarded, json_option, plural, store_option
+from promptstore.cli.ls import remote_infos, render_table
 from promptstore.remote import RemoteTier
 
 # Counters every remote section shows, 0 when this process has not counted them.

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from promptstore.cli._common import command, emit_json, guarded, json_option, store_option
+from promptstore.cli._common import command, emit_json, guarded, json_option, plural, store_option
 
 
 @command()
@@ -57,10 +57,10 @@ def verify(obj, fix, as_json):
             click.echo(f"{report.orphan_blobs} blob file(s) no entry names (left by killed puts; "
                        + ("removed)" if fix else "`promptstore gc` removes them)"), err=True)
         if report.ok:
-            click.echo(f"ok: {report.checked} entries checked")
+            click.echo(f"ok: {plural(report.checked)} checked")
         elif fix:
             click.echo(
-                f"fixed: removed {len(report.problems)} damaged entries and {report.orphan_chunks} orphaned chunks "
+                f"fixed: removed {plural(len(report.problems), 'damaged entry')} and {plural(report.orphan_chunks, 'orphaned chunk')} "
                 f"of {report.checked} checked"
             )
         else:

@@ -177,6 +177,7 @@ def test_store_option_goes_after_the_command_too(tmp_path):
     for name in ("salvage", "bench"):  # they name their stores otherwise (SRC DST; their own scratch folder)
         assert "--store DIRECTORY" not in invoke(None, name, "--help").stdout, name
     assert json.loads(invoke(store, "verify", "--json").stdout)["ok"]
+    assert invoke(store, "verify").stdout == "ok: 1 entry checked\n"  # counts in words: 1 entry, 2 entries
 
 
 @pytest.fixture
