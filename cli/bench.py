@@ -272,12 +272,14 @@ def _sharing(res: Dict[str, Any]) -> List[str]:
         add(f"## A {c0['turns']}-turn chat through PersistentPromptCache")
         add("")
         add("| cache | final tokens | entries kept | stored | unique | stored / unique | unshared / unique | manifests / stored "
-            "| written / new, median turn | worst turn | page cache dirtied / new, median | worst | put s | restored bit-exact |")
-        add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+            "| written / new, median turn | worst turn | of which files / new, median | LMDB / new, median | worst "
+            "| page cache dirtied / new, median | worst | put s | restored bit-exact |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for c in chats.values():
             add(f"| {c['shape']} | {c['final_tokens']} | {c['entries']} | {_size(c['stored'])} | {_size(c['unique'])} | "
                 f"{c['stored'] / c['unique']:.3f} | {c['logical'] / c['unique']:.2f} | {c['manifests'] / c['stored']:.3f} | "
-                f"{c['written_median']:.2f} | {c['written_max']:.2f} | {c['dirtied_median']:.2f} | {c['dirtied_max']:.2f} | "
+                f"{c['written_median']:.2f} | {c['written_max']:.2f} | {c['files_median']:.2f} | {c['lmdb_median']:.2f} | "
+                f"{c['lmdb_max']:.2f} | {c['dirtied_median']:.2f} | {c['dirtied_max']:.2f} | "
                 f"{c['put_s']:.3f} | {c['bit_exact']} |")
         add("")
         for c in chats.values():
@@ -292,7 +294,8 @@ def _sharing(res: Dict[str, Any]) -> List[str]:
             "plus the system prompt's (trimmable entries are all kept). *unique*: the final KV once "
             "plus one recurrent state per entry kept; *unshared*: the entries' array bytes summed; *new*: the KV of a "
             "turn's new tokens plus the recurrent states it inserted; *written*: the bytes the turn passed to write "
-            "calls (`/proc/self/io` wchar); *page cache dirtied*: its write_bytes, which on Linux >= 6.16 (ext4 large "
+            "calls (`/proc/self/io` wchar), of which *files*: the block and blob files the turn created (each written "
+            "once), and *LMDB*: the rest, LMDB's pages and meta; *page cache dirtied*: its write_bytes, which on Linux >= 6.16 (ext4 large "
             "folios) counts every page-cache folio a write touches, whole: far more than the device writes when "
             "writes are small and scattered.")
         add("")

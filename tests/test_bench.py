@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import lmdb
@@ -113,6 +114,10 @@ def test_quick_run_measures_the_shared_block_cases(quick):
         assert [t["added"] for t in turns] == [spec["system"] + per_turn] + [per_turn] * (spec["turns"] - 1)
         # a turn writes at least what it adds: its new KV and its recurrent states
         assert all(t["written"] >= t["new"] > 0 for t in turns), name
+        # ... and writes those bytes to files once: no block (the partial last one included) and no
+        # state is written twice; beyond them only the packs' footers (24 bytes a block, 16 a pack)
+        assert all(t["new"] <= t["files"] <= t["new"] + 1024 for t in turns), (name, [t["files"] - t["new"] for t in turns])
+        assert c["lmdb_median"] == statistics.median((t["written"] - t["files"]) / t["new"] for t in turns) > 0
         # each token's KV stored once: bytes are deterministic, so the ratio is too
         assert c["unique"] <= c["stored"] <= 1.10 * c["unique"], name
         assert c["logical"] > c["stored"]  # without sharing, more

@@ -15,7 +15,9 @@ the way mlx-lm's server drives its prompt cache (``mlx_lm/server.py``):
 Each turn then flushes the writer and reads ``/proc/self/io``: ``written``
 is what the turn passed to write calls (``wchar``: LMDB writes with
 ``pwrite``, blob files with ``write``), ``dirtied`` what the kernel accounted
-as sent to storage (``write_bytes``). The two differ on Linux >= 6.16, whose
+as sent to storage (``write_bytes``). ``files``: the bytes of the block and
+blob files the turn created (written once, never appended to), so that
+``written - files`` is what LMDB wrote: its pages and meta. The two differ on Linux >= 6.16, whose
 ext4 page cache holds large folios: ``write_bytes`` counts every folio a
 write touches, whole, so a 4 KiB page rewritten inside a cached 2 MiB folio
 counts 2 MiB, while the device is sent 4 KiB. The targets use ``written``.
@@ -38,6 +40,7 @@ import numpy as np
 from promptstore.bench import _data as data
 from promptstore.bench._cases import MODEL, _found, io_written
 from promptstore.serving import PersistentPromptCache
+from promptstore.format import _blobs, _packs
 from promptstore.format._blocks import BLOCK_TOKENS
 from promptstore.store import PromptStore
 
@@ -79,6 +82,19 @@ def stored_bytes(store: PromptStore) -> Dict[str, int]:
     }
 
 
+def _files(root: Path) -> Dict[str, int]:
+    """Size of every pack and blob file under the store folder ``root``."""
+    out: Dict[str, int] = {}
+    for folder in (root / _packs.DIRNAME, root / _blobs.DIRNAME):
+        if folder.is_dir():
+            for f in folder.iterdir():
+                try:
+                    out[f.name] = f.stat().st_size
+                except FileNotFoundError:  # unlinked meanwhile (a pruned checkpoint's blob)
+                    pass
+    return out
+
+
 def serve_chat(workdir: Path, shape: data.Shape, chat: Chat, block_tokens: int = BLOCK_TOKENS, seed: int = 0) -> Dict[str, Any]:
     """Run ``chat`` through a PersistentPromptCache over a new store at
     ``workdir`` (removed by the caller); ``block_tokens`` as ``PromptStore``'s.
@@ -106,6 +122,7 @@ def serve_chat(workdir: Path, shape: data.Shape, chat: Chat, block_tokens: int =
         system = toks(chat.system)
         for t in range(chat.turns):
             prompt = (history or system) + toks(chat.user) + toks(chat.tail)
+            files0 = _files(workdir)
             io0 = io_written()
             fetched, rest = pc.fetch_nearest_cache(key, prompt)
             have = hit = len(prompt) - len(rest)
@@ -126,11 +143,13 @@ def serve_chat(workdir: Path, shape: data.Shape, chat: Chat, block_tokens: int =
             pc.flush()
             waited = time.perf_counter() - t0
             io1 = io_written()
+            files1 = _files(workdir)
             added = len(everything) - hit
             turns.append({
                 "turn": t + 1, "tokens": len(everything), "hit": hit, "added": added, "inserts": inserts,
                 "new": shape.kv_per_token * added + shape.state_bytes * inserts,
                 "written": io1[1] - io0[1], "dirtied": io1[0] - io0[0], "flush_s": waited,
+                "files": sum(size for name, size in files1.items() if name not in files0),
             })
             history = everything
         stats = pc.stats()
@@ -146,6 +165,7 @@ def serve_chat(workdir: Path, shape: data.Shape, chat: Chat, block_tokens: int =
         store.close()
     ratios = [r["written"] / r["new"] for r in turns]
     dirtied = [r["dirtied"] / r["new"] for r in turns]
+    lmdb = [(r["written"] - r["files"]) / r["new"] for r in turns]
     return {
         **held,
         "turns": turns,
@@ -153,6 +173,9 @@ def serve_chat(workdir: Path, shape: data.Shape, chat: Chat, block_tokens: int =
         "unique": shape.kv_per_token * len(history) + shape.state_bytes * held["entries"],
         "written_median": statistics.median(ratios),
         "written_max": max(ratios),
+        "files_median": statistics.median(r["files"] / r["new"] for r in turns),
+        "lmdb_median": statistics.median(lmdb),
+        "lmdb_max": max(lmdb),
         "dirtied_median": statistics.median(dirtied),
         "dirtied_max": max(dirtied),
         "hits": sum(1 for r in turns if r["hit"]),
