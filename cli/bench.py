@@ -294,10 +294,10 @@ def _sharing(res: Dict[str, Any]) -> List[str]:
             "plus the system prompt's (trimmable entries are all kept). *unique*: the final KV once "
             "plus one recurrent state per entry kept; *unshared*: the entries' array bytes summed; *new*: the KV of a "
             "turn's new tokens plus the recurrent states it inserted; *written*: the bytes the turn passed to write "
-            "calls (`/proc/self/io` wchar), of which *files*: the block and blob files the turn created (each written "
-            "once), and *LMDB*: the rest, LMDB's pages and meta; *page cache dirtied*: its write_bytes, which on Linux >= 6.16 (ext4 large "
-            "folios) counts every page-cache folio a write touches, whole: far more than the device writes when "
-            "writes are small and scattered.")
+            "calls (`/proc/self/io` wchar), of which *files*: the block and blob files the turn created (each "
+            "written once), and *LMDB*: the rest, LMDB's pages and meta; *page cache dirtied*: its write_bytes, "
+            "which on Linux >= 6.16 (ext4 large folios) counts every page-cache folio a write touches, whole: far "
+            "more than the device writes when writes are small and scattered.")
         add("")
     shared = res.get("shared_prompt", [])
     if shared:

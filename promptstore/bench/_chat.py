@@ -15,12 +15,13 @@ the way mlx-lm's server drives its prompt cache (``mlx_lm/server.py``):
 Each turn then flushes the writer and reads ``/proc/self/io``: ``written``
 is what the turn passed to write calls (``wchar``: LMDB writes with
 ``pwrite``, blob files with ``write``), ``dirtied`` what the kernel accounted
-as sent to storage (``write_bytes``). ``files``: the bytes of the block and
-blob files the turn created (written once, never appended to), so that
-``written - files`` is what LMDB wrote: its pages and meta. The two differ on Linux >= 6.16, whose
+as sent to storage (``write_bytes``). The two differ on Linux >= 6.16, whose
 ext4 page cache holds large folios: ``write_bytes`` counts every folio a
 write touches, whole, so a 4 KiB page rewritten inside a cached 2 MiB folio
 counts 2 MiB, while the device is sent 4 KiB. The targets use ``written``.
+Of it, ``files`` is the bytes of the block and blob files the turn created
+(each written once, never appended to); ``written - files`` is what LMDB
+wrote: its pages and meta.
 The cache is extended, never recomputed, so each turn's KV rows are
 byte-identical to the previous turn's; recurrent state is new at every
 insert. What a turn adds: the KV of its new tokens plus one recurrent state
@@ -39,9 +40,9 @@ import numpy as np
 
 from promptstore.bench import _data as data
 from promptstore.bench._cases import MODEL, _found, io_written
-from promptstore.serving import PersistentPromptCache
 from promptstore.format import _blobs, _packs
 from promptstore.format._blocks import BLOCK_TOKENS
+from promptstore.serving import PersistentPromptCache
 from promptstore.store import PromptStore
 
 __all__ = ["Chat", "serve_chat", "stored_bytes"]
