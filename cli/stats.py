@@ -105,7 +105,10 @@ def stats(obj, as_json):
         return
     live, stored, size = doc["live_bytes"], doc["stored_bytes"], doc["file_bytes"]
     pct = f" ({100 * stored / size:.0f}% live)" if size else ""
-    dedup = f", {doc['dedup_ratio']:.2f}x shared prefixes" if doc["dedup_ratio"] else ""
+    # Only where sharing saved bytes: a store with nothing shared stores a little more than its
+    # caches (manifests, index), and "0.97x shared prefixes" would read as a claim.
+    ratio = doc["dedup_ratio"]
+    dedup = f", {ratio:.2f}x smaller for shared prefixes stored once" if ratio and ratio > 1 else ""
     click.echo(f"store   {doc['path']}")
     click.echo(f"entries {doc['entries']}")
     click.echo(f"bytes   {format_size(live)} of caches stored in {format_size(stored)}{dedup}")

@@ -230,6 +230,8 @@ def test_stats_counts_entries_bytes_models_kinds_hits_and_misses(cli):
 
 def test_stats_and_ls_show_a_shared_prefix_stored_once(cli):
     first = put(cli, "One two three.", LLAMA, "--no-chat-template")
+    assert js(cli("stats", "--json"))["dedup_ratio"] < 1  # one entry: its manifest, nothing shared
+    assert "shared prefixes" not in cli("stats").stdout
     longer = put(cli, "One two three. And then a few more words.", LLAMA, "--no-chat-template")
     doc = js(cli("stats", "--json"))
     assert doc["live_bytes"] == first["bytes"] + longer["bytes"]
@@ -239,7 +241,7 @@ def test_stats_and_ls_show_a_shared_prefix_stored_once(cli):
     rows = {r["id"]: r for r in js(cli("ls", "--json"))}
     assert rows[first["id"]]["own_bytes"] == 0 and rows[first["id"]]["shared_bytes"] == first["bytes"]
     assert rows[longer["id"]]["own_bytes"] == longer["bytes"] - first["bytes"]
-    assert "shared prefixes" in cli("stats").stdout
+    assert f"{doc['dedup_ratio']:.2f}x smaller for shared prefixes stored once" in cli("stats").stdout
 
 
 def test_verify_detects_and_fixes_damage(cli):
