@@ -84,16 +84,8 @@ def stored_bytes(store: PromptStore) -> Dict[str, int]:
 
 
 def _files(root: Path) -> Dict[str, int]:
-    """Size of every pack and blob file under the store folder ``root``."""
-    out: Dict[str, int] = {}
-    for folder in (root / _packs.DIRNAME, root / _blobs.DIRNAME):
-        if folder.is_dir():
-            for f in folder.iterdir():
-                try:
-                    out[f.name] = f.stat().st_size
-                except FileNotFoundError:  # unlinked meanwhile (a pruned checkpoint's blob)
-                    pass
-    return out
+    """Size of every pack and blob file of the store folder ``root``."""
+    return {**_packs.Packs(root).files.sizes(), **_blobs.Blobs(root).sizes()}
 
 
 def serve_chat(workdir: Path, shape: data.Shape, chat: Chat, block_tokens: int = BLOCK_TOKENS, seed: int = 0) -> Dict[str, Any]:

@@ -225,15 +225,19 @@ class Blobs:
         except OSError as err:
             raise StoreError(f"{self.dir}: cannot list {self.what}s ({err}); check that it is a directory this user can read") from err
 
-    def nbytes(self) -> int:
-        """Bytes the files take (their sizes)."""
-        total = 0
+    def sizes(self) -> Dict[str, int]:
+        """Each file present and its size (a file unlinked meanwhile is left out)."""
+        out: Dict[str, int] = {}
         for name in self.names():
             try:
-                total += os.stat(self.path(name)).st_size
+                out[name] = os.stat(self.path(name)).st_size
             except FileNotFoundError:
                 pass
-        return total
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes the files take (their sizes)."""
+        return sum(self.sizes().values())
 
     def read(self, man: _entry.Manifest, where: str) -> List[Dict[str, Any]]:
         """The payload arrays of ``man``'s blob, checked against the manifest.
