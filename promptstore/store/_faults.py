@@ -18,6 +18,7 @@ from typing import Optional
 import lmdb
 
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
+from promptstore.store import _lmdbfile
 
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
 
@@ -29,17 +30,35 @@ def pages_needed(env: lmdb.Environment) -> int:
 
 def check_size(env: lmdb.Environment, where: Path) -> None:
     """Refuse a truncated data.mdb: LMDB would touch pages past its end and
-    the process would die of SIGBUS (reproduced on LMDB 0.9.x)."""
+    the process would die of SIGBUS (reproduced on LMDB 0.9.x).
+
+    A file shorter than LMDB's last page number is not always cut short:
+    pages a transaction took at the end and freed again are never written.
+    So a short file is read page by page (``_lmdbfile``), and refused only
+    when a page its trees use is past its end."""
     need = pages_needed(env)  # first: a commit since only grows the file, never shrinks it
+    data = where / "data.mdb"
     try:
-        have = (where / "data.mdb").stat().st_size
+        have = data.stat().st_size
     except OSError:
         return
-    if have < need:
-        raise StoreUnavailable(
-            f"{where / 'data.mdb'} is truncated: {have} bytes, but its pages reach {need}; copy the intact "
-            f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
-        )
+    if have >= need:
+        return
+    psize = env.stat()["psize"]
+    why = f"its pages reach {need}"
+    for _ in range(8):
+        with env.begin() as txn:  # holds the snapshot's pages while they are read
+            try:
+                used = _lmdbfile.pages_in_use(data, psize, txn.id())
+            except (_lmdbfile.Damaged, OSError) as err:
+                why = f"{err}"
+                break
+        if used is not None:
+            return  # the pages past the end are free ones LMDB never wrote
+    raise StoreUnavailable(
+        f"{data} is truncated: {have} bytes, but {why}; copy the intact "
+        f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
+    )
 
 
 def _disk_full(where: Path) -> Optional[str]:
