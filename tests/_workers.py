@@ -228,7 +228,11 @@ def crash(path: str, kills: int, seed: int, content: str) -> dict:
             first += _await_line(r, ("S", "E"))
             time.sleep(rng.uniform(0.0, 0.004))
         else:
-            time.sleep(rng.uniform(0.01, 0.2))
+            # The others after a committed put (so that every kill of these
+            # leaves work to check, however slow a loaded machine makes puts),
+            # anywhere in the puts of the next 200 ms.
+            first += _await_line(r, ("D", "E"))
+            time.sleep(rng.uniform(0.0, 0.2))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         lines = (first + _drain(r)).splitlines()

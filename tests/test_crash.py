@@ -72,7 +72,7 @@ def test_sigkill_during_puts(tmp_path, content, shared_blocks, kills):
     assert res["errors"] == []
     assert res["kills"] == kills
     assert res["inflight_at_kill"] >= kills // 5, res["inflight_at_kill"]  # most kills land inside a put
-    assert len(res["done"]) > kills  # the children did commit work between kills
+    assert len(res["done"]) >= kills // 2  # the children did commit work between kills (every other one waits for it)
     store = check_after_crashes(tmp_path / "store", res["done"], content)
     shared = sum(1 for who in referrers(store).values() if len(who) > 1)
     if shared_blocks:
