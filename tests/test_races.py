@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
+import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -106,3 +110,69 @@ def test_verify_fix_never_removes_entries_committed_meanwhile(tmp_path):
             assert layer.offset == 3
         assert s.verify().ok and audit_blocks(s)
         assert max(len(who) for who in referrers(s).values()) == 60  # the first turn's block: in every turn since
+
+
+def _long(n: int):
+    """The first ``n`` of 16384 tokens of one conversation and their KV
+    (512 bytes a token: 8 MiB for all of them, which go to one pack file)."""
+    k = mx.random.normal((1, 2, 16384, 64), key=mx.random.key(5)).astype(mx.float16)[..., :n, :]
+    c = KVCache()
+    c.update_and_fetch(k, -k)
+    return list(range(1, n + 1)), [c]
+
+
+# Verifies (and fixes) the store at PATH, its first pack file opened only once
+# the test process has repacked that pack, so its snapshot names a file gone.
+_SLOW_VERIFIER = """
+import json, os, sys, time
+from promptstore import PromptStore
+from promptstore.format import _packs
+
+path, opening, repacked = sys.argv[1:]
+real = _packs.Packs.open
+def open_later(self, pack, where):
+    if not os.path.exists(opening):
+        open(opening, "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(repacked) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return real(self, pack, where)
+_packs.Packs.open = open_later
+with PromptStore(path) as s:
+    r = s.verify(fix=True)
+print(json.dumps({"checked": r.checked, "problems": [list(p) for p in r.problems]}))
+"""
+
+
+def test_verify_fix_keeps_an_entry_whose_pack_another_process_repacked(tmp_path):
+    """A repack moves live blocks to a new pack and unlinks the old one
+    without touching a manifest: a verify whose snapshot names the old pack
+    must look where the blocks are now, not remove the intact entry."""
+    path, opening, repacked = str(tmp_path / "s"), str(tmp_path / "opening"), str(tmp_path / "repacked")
+    with PromptStore(path) as s:
+        s.put("m", *_long(16384))
+        s.put("m", *_long(8192))  # shares the first half of the pack's blocks
+        s.delete("m", _long(16384)[0])  # the other half is dead: 4 MiB, a repack is due
+        before = sorted(os.listdir(os.path.join(path, "packs")))
+    verifier = subprocess.Popen([sys.executable, "-c", _SLOW_VERIFIER, path, opening, repacked], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(opening) and verifier.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(opening), verifier.stderr.read() if verifier.poll() is not None else "verifier never opened a pack"
+        with PromptStore(path) as s:
+            s.gc()
+            after = sorted(os.listdir(os.path.join(path, "packs")))
+            assert len(after) == 1 and after != before  # repacked: the verifier's pack file is gone
+        open(repacked, "w").close()
+        out, err = verifier.communicate(timeout=120)
+    finally:
+        if verifier.poll() is None:
+            verifier.kill()
+    assert verifier.returncode == 0, err[-2000:]
+    assert json.loads(out) == {"checked": 1, "problems": []}
+    with PromptStore(path) as s:
+        tokens, cache = _long(8192)
+        assert [e.n_tokens for e in s.entries()] == [8192]
+        assert same_cache(s.get("m", tokens), cache)
+        assert s.verify().ok and audit_blocks(s)

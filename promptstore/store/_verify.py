@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _packs
 from promptstore.store import _budget, _index, _keys, _packing
 from promptstore.store._env import Env
-from promptstore.store._read import Reader
+from promptstore.store._read import _LOOKS, Reader
 from promptstore.store._results import VerifyReport
 from promptstore.store._schema import PACKS, PLACES, Tables, model_of, owner_of_chunk
 from promptstore.store._write import EntryWriter
@@ -47,30 +47,23 @@ class Maintenance:
         checked = 0
         for ekey in keys:
             eid = _keys.entry_id(ekey)
-            raw = None
-            try:
-                with self._env.read(buffers=True) as txn:  # one short transaction per entry
-                    found = txn.get(ekey, db=db.entries)
-                    if found is None:
-                        continue  # deleted since the snapshot
-                    raw = bytes(found)
-                    checked += 1
-                    man = _entry.unpack_manifest(raw, f"{self.path} entry {eid}")
-                    mid = model_of(ekey)
-                    if man.entry_id != eid or _keys.model_id(man.model) != mid or _keys.entry_key(mid, man.tokens) != ekey:
-                        raise CorruptEntry(f"entry {eid}: manifest does not match its key")
-                    self._reader.restore(txn, ekey, man, remembered=False)
-            except StoreClosed:
-                raise  # closed by another thread: the rest was not checked, not found damaged
-            except PromptStoreError as err:
-                if isinstance(err, _blobs.Vanished) and not self._still(ekey, raw):
-                    continue  # deleted or replaced since: its blob went with it
-                if is_newer(err, raw):
-                    newer.append((eid, str(err)))  # fail closed means refuse to read it, never delete it
-                    continue
-                problems.append((eid, str(err)))
-                if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
-                    bad[ekey] = raw
+            raw, err = self._look(ekey, eid)
+            if raw is not None:
+                checked += 1
+            gone: Set[str] = set()  # files found missing, each looked for again on a newer snapshot
+            while isinstance(err, _blobs.Vanished) and err.blob not in gone and len(gone) < _LOOKS:
+                gone.add(err.blob)
+                raw, err = self._look(ekey, eid)
+            if err is None:
+                continue  # intact, or deleted since the snapshot
+            if isinstance(err, _blobs.Vanished) and err.blob not in gone:
+                continue  # replaced or repacked at every look: not found damaged
+            if is_newer(err, raw):
+                newer.append((eid, str(err)))  # fail closed means refuse to read it, never delete it
+                continue
+            problems.append((eid, str(err)))
+            if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
+                bad[ekey] = raw
         if fix and (bad or orphans or stray or counts.wrong or counts.orphans):
             def write(txn) -> None:
                 for ekey, raw in bad.items():
@@ -166,11 +159,33 @@ class Maintenance:
         for pack in _packing.rebuild(txn, db, lambda key: _budget.ref_size(txn.get(key, db=db.refs))):
             self._writer.unlink_pack_later(pack)
 
-    def _still(self, ekey: bytes, raw: Optional[bytes]) -> bool:
-        """Whether the entry at ``ekey`` still has the manifest ``raw`` (a new snapshot)."""
-        with self._env.read() as txn:
-            now = txn.get(ekey, db=self._db.entries)
-        return now is not None and now == raw
+    def _look(self, ekey: bytes, eid: str) -> Tuple[Optional[bytes], Optional[PromptStoreError]]:
+        """Check the entry at ``ekey`` in a new snapshot: its manifest there
+        (None: no entry) and what reading it met (None: intact).
+
+        A file the snapshot names can be gone by the time it is opened
+        (:class:`~promptstore.format._blobs.Vanished`) without any damage: a
+        put or delete dropped the entry's blob or last block in a pack since,
+        or a repack (``_packing``) moved its blocks to a new pack and changed
+        no manifest. Only the same file missing again, from a snapshot taken
+        after the first look failed, is lost (``verify`` looks again)."""
+        raw = None
+        try:
+            with self._env.read(buffers=True) as txn:  # one short transaction per look
+                found = txn.get(ekey, db=self._db.entries)
+                if found is None:
+                    return None, None
+                raw = bytes(found)
+                man = _entry.unpack_manifest(raw, f"{self.path} entry {eid}")
+                mid = model_of(ekey)
+                if man.entry_id != eid or _keys.model_id(man.model) != mid or _keys.entry_key(mid, man.tokens) != ekey:
+                    raise CorruptEntry(f"entry {eid}: manifest does not match its key")
+                self._reader.restore(txn, ekey, man, remembered=False)
+        except StoreClosed:
+            raise  # closed by another thread: the rest was not checked, not found damaged
+        except PromptStoreError as err:
+            return raw, err
+        return raw, None
 
     def upgrade_format(self, txn, fmt: int) -> None:
         """Bring a store of format ``fmt`` to this one's layout (``Env.check_format``):
