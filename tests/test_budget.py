@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,25 @@ def test_remove_planned_leaves_an_entry_replaced_since_the_plan(tmp_path):
         assert [i.id for i in removed] == [e.id for e in plan if e.id != replaced.id]
         assert ids(store) == {replaced.id}
         assert same_cache(store.get(MODEL, t0), c0)
+
+
+@pytest.mark.parametrize("plan_evicts", ["all", "oldest turns"])
+def test_an_executed_plan_reports_the_shared_blocks_it_freed(tmp_path, plan_evicts):
+    """The turns of one chat share blocks; an executed plan (``gc(plan=...)``
+    and ``set_budget(..., plan=...)``) reports as freed what the dry run
+    planned and what usage really lost: a shared block counts when its last
+    referrer goes, and only then."""
+    with PromptStore(tmp_path / "s") as store:
+        for turn in range(4):
+            store.put(MODEL, *chat_entry(7, turn))
+        before = store.usage()
+        budget = 0 if plan_evicts == "all" else before - 1  # "oldest turns": the later ones keep the shared blocks
+        plan = store.gc(budget=budget, dry_run=True)
+        assert plan.evicted and plan.freed == before - plan.usage
+        half = len(plan.evicted) // 2 or 1  # the plan's first victims by gc, the rest by set_budget
+        first = store.gc(plan=replace(plan, evicted=plan.evicted[:half]))
+        middle = store.usage()
+        assert first.freed == before - middle
+        rest = store.set_budget(None, plan=replace(plan, evicted=plan.evicted[half:]))
+        assert rest.freed == middle - store.usage()
+        assert first.freed + rest.freed == plan.freed and store.usage() == plan.usage == true_usage(store)

@@ -110,8 +110,13 @@ class Capacity:
         )
 
     def _planned(self, txn, plan: GcReport) -> List[Tuple[bytes, int]]:
+        """The entries of ``plan`` still there and unpinned, each with what
+        evicting it frees: measured as the dry run and the budget's own
+        eviction measure it (``freed_by``), so a shared block counts with the
+        last of its referrers the plan removes, and the report matches usage."""
         victims: List[Tuple[bytes, int]] = []
         seen: Set[bytes] = set()
+        freed = self._writer.freed_by(txn)
         for eid in plan.evicted:
             try:
                 ekey = self._catalog.resolve(txn, eid)
@@ -120,7 +125,7 @@ class Capacity:
             if ekey in seen or _budget.is_pinned(txn, self._db, ekey):
                 continue  # pinned since the plan: never evicted
             seen.add(ekey)
-            victims.append((ekey, _budget.size_of(txn, self._db, ekey)))
+            victims.append((ekey, freed(ekey)))
         return victims
 
     # -- pins -------------------------------------------------------------------
