@@ -269,6 +269,7 @@ class Env:
         try:
             check_size(env, where)
             env.reader_check()
+            _check_tables(env, where)
             db = {}
             if self.readonly:
                 # py-lmdb ends a read transaction by aborting it, which would leave
@@ -593,3 +594,18 @@ class Env:
         the fork."""
         if os.getpid() == self.pid:
             self._gate.close(timeout, last)
+
+
+def _check_tables(env: lmdb.Environment, where: Path) -> None:
+    """Refuse an LMDB database of something else: a data file whose main
+    table holds names but none of the store's tables. Left alone, a read
+    would fail on a missing table with LMDB's "MDB_NOTFOUND", and a write
+    would add the store's tables to the other program's file."""
+    with env.begin() as txn:
+        names = [bytes(key) for key in txn.cursor().iternext(keys=True, values=False)]
+    if names and not set(names) & set(TABLES):
+        shown = ", ".join(repr(n.decode("utf-8", "replace")) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+        raise StoreUnavailable(
+            f"{where / 'data.mdb'} is an LMDB database, but not a promptstore store (its keys: {shown}); "
+            "check the --store path"
+        )
