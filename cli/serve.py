@@ -8,7 +8,9 @@ import click
 
 from promptstore.cli._common import command, emit_json, guarded, json_option, model_option, store_option
 from promptstore.cli._model import MODEL_HELP, model_folder
+from promptstore.errors import InvalidInput
 from promptstore.serving import DEFAULT_CHECKPOINTS
+from promptstore.serving._server import check_server_args
 from promptstore.serving._server import serve as run_server
 
 
@@ -79,6 +81,10 @@ def serve(obj, model_dir, checkpoints, draft_dir, num_draft_tokens, as_json, ser
         args += ["--draft-model", str(model_folder(draft_dir))]
     if num_draft_tokens is not None:
         args += ["--num-draft-tokens", str(num_draft_tokens)]
+    try:
+        check_server_args(str(path), args)  # before the store is opened: a typo creates nothing
+    except InvalidInput as err:
+        raise click.UsageError(str(err)) from None
     stats = run_server(str(path), args, store=obj.store, checkpoints=checkpoints)
     if as_json:
         emit_json({"store": str(obj.store.path), "model": str(Path(model_dir)), "model_path": str(path),

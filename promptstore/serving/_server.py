@@ -26,7 +26,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from promptstore.codecs import codec_for_layer
-from promptstore.errors import PromptStoreError
+from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.jobs.prefill import encode_prompt
 from promptstore.serving._cache import PersistentPromptCache, gated_by_config
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, checkpoint_limit
@@ -97,6 +97,55 @@ def serve(model_dir: str, server_args: Sequence[str] = (), store: Optional[Promp
         signal.signal(signal.SIGTERM, saved_term)
         out.update(counters.snapshot())
     return out
+
+
+class _Parsed(Exception):
+    """mlx_lm.server's parser accepted the arguments (ends the dry parse)."""
+
+
+class _Refused(Exception):
+    """mlx_lm.server's parser refused the arguments: argparse's message."""
+
+
+def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
+    """Parse ``server_args`` as ``mlx_lm.server`` will, loading nothing, so
+    that a caller can refuse them before it opens a store or a model.
+
+    mlx-lm builds its parser inside ``main()``: that runs here with
+    argparse's ``parse_args`` ending it once parsed and ``error`` raising
+    instead of printing the usage and exiting. ``--help`` is left to the
+    real run.
+
+    Raises:
+        InvalidInput: argparse's message (an unknown option, a bad value).
+    """
+    import argparse
+
+    from mlx_lm import server as mlx_server
+
+    if "-h" in server_args or "--help" in server_args:
+        return
+    real_parse, real_error, saved_argv = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.error, sys.argv
+
+    def parse_args(self, *args, **kwargs):
+        real_parse(self, *args, **kwargs)
+        raise _Parsed
+
+    def error(self, message):
+        raise _Refused(message)
+
+    argparse.ArgumentParser.parse_args = parse_args  # type: ignore[method-assign]  # restored below
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+    sys.argv = ["mlx_lm.server", "--model", str(model_dir), *server_args]
+    try:
+        mlx_server.main()
+    except _Parsed:
+        return
+    except _Refused as err:
+        raise InvalidInput(f"mlx_lm.server refuses its options: {err}") from None
+    finally:
+        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.error = real_parse, real_error  # type: ignore[method-assign]
+        sys.argv = saved_argv
 
 
 def _run(mlx_server, host: str, port: int, model_provider, store: Optional[PromptStore], out: Dict[str, Any],

@@ -1,0 +1,25 @@
+"""`promptstore serve` refuses options mlx_lm.server would refuse before it
+opens the store: a typo is a usage error (JSON under --json) and creates
+nothing (a reviewer found argparse's usage text on stderr, nothing on
+stdout under --json, and a new store left behind)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import MODELS
+from test_cli_newcomer import error
+
+from promptstore.serving._server import check_server_args
+
+
+@pytest.mark.parametrize("args, says", [(["--bogus-opt"], "unrecognized arguments: --bogus-opt"),
+                                        (["--port", "notaport"], "invalid int value: 'notaport'")])
+def test_serve_refuses_bad_server_options_before_opening_the_store(tmp_path, args, says):
+    doc = error(tmp_path / "store", "serve", "--model", str(MODELS / "llama"), *args, code=2)
+    assert doc["error"] == "UsageError" and says in doc["message"]
+    assert not (tmp_path / "store").exists()
+
+
+def test_good_server_options_pass_the_check():
+    check_server_args(str(MODELS / "llama"), ["--port", "8123", "--prompt-cache-size", "4", "--log-level", "DEBUG"])
+    check_server_args(str(MODELS / "llama"), [])
