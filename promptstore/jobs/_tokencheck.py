@@ -25,22 +25,40 @@ bits, another token changes everything.
 The file's layers are mlx-lm's classes (``load_prompt_cache`` makes them),
 handled here by exact class; a fresh prefill's layers are compared as the
 mlx-lm class a file holds them as (their codec's ``to_mlx_lm``).
+
+Token ids reach the model only through :func:`token_ids`: mlx does not
+bounds-check an embedding lookup, so an id past the model's vocabulary reads
+out of bounds (a segfault on the CPU, garbage elsewhere), and one past int64
+makes ``mx.array`` throw ``std::bad_cast``.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, cast
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from promptstore.codecs import codec_for_layer
-from promptstore.errors import CoverageMismatch
+from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
 from promptstore.jobs.prefill import make_cache, prefill
 
-__all__ = ["TokenCheck", "check_cache_tokens", "kv_shape", "KV_SUBSTITUTES", "TAIL_TOKENS", "HEAD_TOKENS", "TOLERANCE"]
+__all__ = [
+    "TokenCheck",
+    "check_cache_tokens",
+    "token_ids",
+    "vocab_size",
+    "kv_shape",
+    "KV_SUBSTITUTES",
+    "TAIL_TOKENS",
+    "HEAD_TOKENS",
+    "TOLERANCE",
+]
 
 TAIL_TOKENS = 4
 HEAD_TOKENS = 64
@@ -54,6 +72,64 @@ QUANTIZED_TOLERANCE = 0.5
 
 #: mlx-lm's flags turn a model's KVCache into these (``--kv-bits``, ``--max-kv-size``).
 KV_SUBSTITUTES: Dict[type, Tuple[type, ...]] = {KVCache: (QuantizedKVCache, RotatingKVCache)}
+
+#: The store keeps token ids as uint32.
+MAX_TOKEN_ID = 2**32 - 1
+# What mlx-lm's models call their token embedding (a model may hold others:
+# gpt2's position embedding ``wpe`` has fewer rows than the vocabulary).
+_TOKEN_EMBEDDINGS = frozenset({"embed_tokens", "wte", "embed_in", "word_embeddings", "tok_embeddings"})
+
+
+# -- token ids ----------------------------------------------------------------------------
+
+
+def vocab_size(model: Any) -> Optional[int]:
+    """The rows of ``model``'s token embedding: the ids it can look up (None:
+    the model holds no embedding layer). A model with embeddings of none of
+    mlx-lm's token-embedding names counts its smallest, which fails closed."""
+    rows = [
+        (name.rsplit(".", 1)[-1], int(m.weight.shape[0]))
+        for name, m in model.named_modules()
+        if type(m) in (nn.Embedding, nn.QuantizedEmbedding)
+    ]
+    found = [n for name, n in rows if name in _TOKEN_EMBEDDINGS] or [n for _, n in rows]
+    return min(found) if found else None
+
+
+def token_ids(
+    tokens: Any, model: Any = None, where: str = "tokens", error: Type[PromptStoreError] = InvalidInput
+) -> List[int]:
+    """``tokens`` as a list of ids that ``model`` can look up, checked before
+    any reaches mlx.
+
+    Args:
+        tokens: a sequence of ints (numpy integers too; not bools).
+        model: the model they will run through (None: only the uint32 range
+            the store keeps is checked).
+        where: what the message names (a path, a metadata key).
+        error: what to raise: InvalidInput for a caller's ids, CorruptEntry
+            for ids a file records.
+
+    Raises:
+        InvalidInput (or ``error``): not a list, or an id that is not an int
+            in ``[0, vocabulary)`` (``[0, 2**32)`` without a model).
+    """
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+        raise error(f"{where}: token ids must be a list of ints, not {type(tokens).__name__}")
+    vocab = vocab_size(model) if model is not None else None
+    limit = MAX_TOKEN_ID + 1 if vocab is None else min(vocab, MAX_TOKEN_ID + 1)
+    what = "the uint32 range" if vocab is None else f"the model's vocabulary of {vocab} ids"
+    hint = "it is damaged" if vocab is None else "it was made for another model, or it is damaged"
+    out = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise error(f"{where}: token id at position {i} is {t!r}, not an int")
+        if not 0 <= int(t) < limit:
+            raise error(
+                f"{where}: token id {int(t)} at position {i} is outside {what} (0 to {limit - 1}); {hint}"
+            )
+        out.append(int(t))
+    return out
 
 
 @dataclass(frozen=True)
@@ -286,7 +362,9 @@ def check_cache_tokens(cache: Sequence[Any], model: Any, tokens: Sequence[int], 
 
     Raises:
         CoverageMismatch: a checked position was made from other tokens.
+        InvalidInput: a token id the model cannot look up (:func:`token_ids`).
     """
+    tokens = token_ids(tokens, model, where)
     tail, why = _check_tail(cache, model, tokens, where)
     head, whole = _check_head(cache, model, tokens, where)
     if whole:

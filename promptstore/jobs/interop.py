@@ -35,7 +35,7 @@ from promptstore.errors import (
     InvalidInput,
     ModelMismatch,
 )
-from promptstore.jobs._tokencheck import KV_SUBSTITUTES, TokenCheck, check_cache_tokens, kv_shape
+from promptstore.jobs._tokencheck import KV_SUBSTITUTES, TokenCheck, check_cache_tokens, kv_shape, token_ids
 from promptstore.jobs.prefill import make_cache
 
 __all__ = [
@@ -186,7 +186,8 @@ def read_mlx_cache_file(path: PathLike) -> MlxCacheFile:
 
     Raises:
         InvalidInput: no such file.
-        CorruptEntry: not a readable mlx-lm prompt-cache file.
+        CorruptEntry: not a readable mlx-lm prompt-cache file, or its
+            recorded token ids are not a list of ints in ``[0, 2**32)``.
         CoverageMismatch: its layers disagree on how many tokens they cover.
     """
     from mlx_lm.models.cache import load_prompt_cache
@@ -204,9 +205,10 @@ def read_mlx_cache_file(path: PathLike) -> MlxCacheFile:
     tokens = None
     if TOKENS_KEY in metadata:
         try:
-            tokens = [int(t) for t in json.loads(metadata[TOKENS_KEY])]
+            recorded = json.loads(metadata[TOKENS_KEY])
         except (ValueError, TypeError) as err:
             raise CorruptEntry(f"{path}: metadata {TOKENS_KEY!r} is damaged ({err})") from err
+        tokens = token_ids(recorded, None, f"{path}: metadata {TOKENS_KEY!r}", CorruptEntry)
         if len(tokens) != coverage:
             raise CorruptEntry(f"{path}: records {len(tokens)} token ids but its layers cover {coverage}")
     return MlxCacheFile(cache, dict(metadata), coverage, tokens, metadata.get(MODEL_KEY))
@@ -336,8 +338,10 @@ def import_mlx_cache_file(
         ModelMismatch: the file records another fingerprint, or its layers do
             not fit ``model``.
         InvalidInput: the file cannot be verified (and ``trust_unverified``
-            is False), or ``meta`` uses a key import writes.
-        CorruptEntry.
+            is False), ``meta`` uses a key import writes, or ``tokens``
+            holds an id ``model`` cannot look up.
+        CorruptEntry: the file is damaged, or records token ids that are not
+            ints within ``model``'s vocabulary.
     """
     f = read_mlx_cache_file(path)
     if f.fingerprint is not None and f.fingerprint != fingerprint:
@@ -345,8 +349,10 @@ def import_mlx_cache_file(
     if tokens is None:
         if f.tokens is None:
             raise InvalidInput(f"{path}: an mlx-lm file carries no token ids; give the prompt it was made from")
-        tokens = f.tokens
-    tokens = [int(t) for t in tokens]
+        # checked before any reaches mlx: an id past the model's embedding reads out of bounds
+        tokens = token_ids(f.tokens, model, f"{path}: metadata {TOKENS_KEY!r}", CorruptEntry)
+    else:
+        tokens = token_ids(tokens, model, f"{path}: the prompt's tokens")
     if f.coverage != len(tokens):
         hint = (
             " (the file holds one token fewer: was it made with another chat template setting?)"
