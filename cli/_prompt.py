@@ -97,6 +97,8 @@ def read_prompt(pargs: PromptArgs) -> Tuple[Optional[str], Optional[List[Any]]]:
             messages = json.loads(raw)
         except ValueError as err:
             raise InvalidInput(f"{pargs.messages_file}: not JSON ({err})") from err
+        except RecursionError as err:  # nested deeper than the parser recurses
+            raise InvalidInput(f"{pargs.messages_file}: JSON nested too deeply to be chat messages") from err
         if isinstance(messages, dict) and "messages" in messages:
             messages = messages["messages"]
         try:

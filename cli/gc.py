@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 import click
 
+from promptstore import InvalidInput
 from promptstore.cli._common import command, emit_json, fail, format_size, guarded, json_option, plural, store_option
 from promptstore.cli.rm import interactive
+from promptstore.store._budget import MAX_BUDGET, check_budget
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(I?)(B?)")
@@ -18,14 +21,21 @@ def parse_bytes(text: str) -> int:
     prints them; ``100KiB``, ``1.5GiB``: binary units (powers of 1024).
 
     Raises:
-        click.BadParameter: anything else.
+        click.BadParameter: anything else, or a size the store cannot hold
+            as its budget (``2**64`` bytes or more).
     """
     m = _SIZE.fullmatch(text.strip().upper())
     if m is None or (m.group(3) and not m.group(2)):  # "5iB" is no unit
         raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB, 100KiB)", param_hint="--budget")
     number, prefix, binary, _ = m.groups()
     power = " KMGT".index(prefix or " ")
-    return int(float(number) * (1024 if binary else 1000) ** power)
+    size = int(Decimal(number) * (1024 if binary else 1000) ** power)  # exact: a float rounds large counts
+    try:
+        check_budget(size)  # the API's own check, before the store is touched (dry run included)
+    except InvalidInput as err:
+        shown = text if len(text) <= 40 else text[:20] + "..." + text[-8:]
+        raise click.BadParameter(f"{shown!r} is larger than a store's budget can be ({MAX_BUDGET} bytes)", param_hint="--budget") from err
+    return size
 
 
 @command()

@@ -6,19 +6,30 @@ import sys
 
 import click
 
+from promptstore import InvalidInput
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
 from promptstore.cli._model import check_length, load, model_options
 from promptstore.cli._prompt import encode, prompt_options, read_prompt
+from promptstore.format._entry import check_meta
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints, prefill_with_checkpoints
 
 
 def parse_meta(pairs) -> dict:
+    """``--meta K=V`` pairs as the entry's meta, checked as every put checks it.
+
+    Raises:
+        click.BadParameter: not KEY=VALUE, or a pair the store would refuse.
+    """
     meta = {}
     for pair in pairs:
         if "=" not in pair or not pair.split("=", 1)[0]:
             raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--meta")
         k, v = pair.split("=", 1)
         meta[k] = v
+    try:
+        check_meta(meta)  # e.g. bytes that are not UTF-8: refused before any prefill
+    except InvalidInput as err:
+        raise click.BadParameter(str(err), param_hint="--meta") from err
     return meta
 
 

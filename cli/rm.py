@@ -38,6 +38,12 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
     if not keys and not model and not older_than:
         raise click.UsageError("nothing selected: give KEYs, --model or --older-than")
     age = parse_duration(older_than) if older_than else None  # a usage error before the store is touched
+    cutoff = None
+    if age is not None:
+        try:
+            cutoff = datetime.now(timezone.utc) - age
+        except OverflowError as err:  # before the year 1: as parse_duration refuses a longer one
+            raise click.BadParameter(f"{older_than!r} is longer than any age an entry can have", param_hint="--older-than") from err
     store = obj.existing_store()
     everything = list(store.entries())
     if keys:
@@ -49,7 +55,6 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
                 plan.append(info)
     else:
         keep = model_filter(model)
-        cutoff = datetime.now(timezone.utc) - age if age is not None else None
         plan = [i for i in everything if keep(i) and (cutoff is None or i.last_used < cutoff)]
     total = sum(i.nbytes for i in plan)
     keylen = key_length(i.id for i in everything)

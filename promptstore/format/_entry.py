@@ -202,11 +202,75 @@ def pack_manifest(
         **({"bounds": list(bounds)} if bounds else {}),
         "check": bytes(8),  # last: the xxh3-64 of every manifest byte before these 8
     }
+    check_meta(meta)
     try:
         raw = msgpack.packb(doc, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as err:
         raise InvalidInput(f"entry metadata is not serialisable: {err}") from err
+    if len(raw) > MAX_MANIFEST:  # unpack_manifest would refuse it: never write what cannot be read
+        raise InvalidInput(f"the entry's manifest would be {len(raw)} bytes, over {MAX_MANIFEST}: store less metadata")
     return raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
+
+
+MAX_META_DEPTH = 64  # nesting of lists and maps in an entry's meta
+_META_INT = (-(1 << 63), 1 << 64)  # what msgpack packs as an integer
+_META_LEN = min(MAX_ARRAYS, 1 << 16)  # items of one list or map: unpack_manifest's max_array_len and max_map_len
+_META_STR = 1 << 20  # UTF-8 bytes of one string: unpack_manifest's max_str_len
+
+
+def check_meta(meta: Any) -> None:
+    """Refuse entry metadata that would not read back as written, nor print as JSON.
+
+    Allowed: a dict with str keys whose values are, recursively, str, int in
+    [-2**63, 2**64), finite float, bool, None, list (or tuple) and dict with
+    str keys, nested at most :data:`MAX_META_DEPTH` deep, within the limits
+    :func:`unpack_manifest` reads. Checked before anything is written, so a
+    bad put never replaces a stored entry.
+
+    Raises:
+        InvalidInput: naming the offending key path (``meta["a"][0]``).
+    """
+    if not isinstance(meta, dict):
+        raise InvalidInput(f"meta must be a dict with str keys, not {type(meta).__name__}")
+    todo: List[Tuple[str, Any, int]] = [("meta", meta, 0)]
+    while todo:  # a stack, not recursion: any nesting is refused cleanly
+        path, value, depth = todo.pop()
+        if isinstance(value, (dict, list, tuple)):
+            if depth >= MAX_META_DEPTH:
+                raise InvalidInput(f"{path}: meta is nested more than {MAX_META_DEPTH} deep")
+            if len(value) > _META_LEN:
+                raise InvalidInput(f"{path}: {len(value)} items, over the {_META_LEN} a meta list or map may hold")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if not isinstance(key, str):
+                        raise InvalidInput(f"{path}: key {key!r} ({type(key).__name__}) is not a str; meta keys must be str")
+                    _check_str(f"{path} key {key!r}", key)
+                    todo.append((f"{path}[{key!r}]", item, depth + 1))
+            else:
+                todo.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_str(path, value)
+        elif isinstance(value, bool) or value is None:
+            pass
+        elif isinstance(value, int):
+            if not _META_INT[0] <= value < _META_INT[1]:
+                raise InvalidInput(f"{path}: the int {value} is out of range; meta ints lie in [-2**63, 2**64)")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise InvalidInput(f"{path}: {value} is not allowed; meta floats must be finite (JSON has no NaN or Infinity)")
+        else:
+            raise InvalidInput(
+                f"{path}: {type(value).__name__} is not allowed; meta values are str, int, float, bool, None, list or dict"
+            )
+
+
+def _check_str(path: str, text: str) -> None:
+    try:
+        n = len(text.encode("utf-8"))
+    except UnicodeEncodeError as err:
+        raise InvalidInput(f"{path}: not encodable as UTF-8 ({err.reason} at {err.start})") from err
+    if n > _META_STR:
+        raise InvalidInput(f"{path}: a string of {n} bytes, over the {_META_STR} a meta string may hold")
 
 
 def _intact(doc: dict, raw: bytes) -> bool:

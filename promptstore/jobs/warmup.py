@@ -44,6 +44,7 @@ import mlx.core as mx
 from promptstore.codecs import codec_for_layer, encode_layer
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
+from promptstore.format._entry import check_meta
 from promptstore.identity import fingerprint
 from promptstore.jobs.prefill import PREFILL_STEP, CacheOptions, encode_prompt, eval_cache, load_model, make_cache, quantizer
 from promptstore.rows import extract_row
@@ -141,6 +142,11 @@ def _check_record(obj: Any) -> Tuple[Any, Optional[str]]:
                 return rid, f'messages[{j}] must be an object with string "role" and "content"'
     if "meta" in obj and not isinstance(obj["meta"], dict):
         return rid, '"meta" must be an object'
+    if "meta" in obj:
+        try:  # the store's own check, here so that one bad line never fails the batch it is prefilled in
+            check_meta(obj["meta"])
+        except InvalidInput as err:
+            return rid, str(err)
     return rid, None
 
 
@@ -172,6 +178,8 @@ def read_prompts(source: Union[str, os.PathLike, Iterable[Dict[str, Any]]]) -> T
                 errors.append(LineError(n, None, f"not UTF-8 ({err.reason} at byte {err.start})"))
             except ValueError as err:
                 errors.append(LineError(n, None, f"not JSON ({err})"))
+            except RecursionError:  # nested deeper than the JSON parser recurses
+                errors.append(LineError(n, None, "not JSON that can be read (nested too deeply)"))
     else:
         items = list(enumerate(source, 1))
     for n, obj in items:

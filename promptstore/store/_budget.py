@@ -35,11 +35,21 @@ from promptstore.store._schema import BUDGET_KEY, F64, PINS, REFS, SIZES, U64, U
 Unlink = Callable[[Any, bytes, Optional[bytes]], None]
 
 
+MAX_BUDGET = (1 << 64) - 1  # what ``info[budget]`` (u64) holds
+
+
 def check_budget(budget) -> Optional[int]:
+    """``budget`` when it is None or a byte count the store can hold.
+
+    Raises:
+        InvalidInput: anything else.
+    """
     if budget is None:
         return None
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise InvalidInput(f"budget must be a byte count >= 0 or None, got {budget!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_BUDGET:
+        # repr() of a huge int itself fails (Python's int-to-str digit limit)
+        got = f"an int of {budget.bit_length()} bits" if isinstance(budget, int) and budget.bit_length() > 256 else repr(budget)
+        raise InvalidInput(f"budget must be a byte count from 0 to {MAX_BUDGET} (2**64 - 1), or None; got {got}")
     return budget
 
 

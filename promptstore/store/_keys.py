@@ -53,11 +53,18 @@ def model_id(model: str) -> bytes:
     """16-byte id of a model identity string.
 
     Raises:
-        InvalidInput: empty or non-string identity.
+        InvalidInput: empty or non-string identity, or one not encodable as UTF-8.
     """
     if not isinstance(model, str) or not model:
         raise InvalidInput("model identity must be a non-empty string (e.g. promptstore.fingerprint(dir))")
-    return hashlib.blake2b(model.encode(), digest_size=MODEL_ID).digest()
+    try:
+        raw = model.encode()
+    except UnicodeEncodeError as err:
+        raise InvalidInput(
+            f"model identity {model[:80]!r} is not encodable as UTF-8 ({err.reason} at {err.start}); "
+            "use promptstore.fingerprint(dir)"
+        ) from err
+    return hashlib.blake2b(raw, digest_size=MODEL_ID).digest()
 
 
 def entry_key(mid: bytes, tokens: np.ndarray) -> bytes:

@@ -28,6 +28,7 @@ from promptstore.identity import model_name_of
 from promptstore.remote import Key as RemoteKey
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
 from promptstore.store import _keys
+from promptstore.store._budget import check_budget
 from promptstore.store._capacity import Capacity
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import DEFAULT_MAP_SIZE, Env
@@ -89,6 +90,7 @@ class PromptStore:
     ):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise InvalidInput(f"block_tokens must be a positive token count, not {block_tokens!r}")
+        check_budget(budget)  # before the store's folder is created
         self._remote: Optional[RemoteTier] = None
         tier = open_remote(remote)  # a bad URL fails before anything is opened
         self.path = Path(path).expanduser() if path is not None else default_path()
@@ -198,7 +200,9 @@ class PromptStore:
                 non-empty string is accepted.
             tokens: the token ids the cache covers, exactly.
             cache: the per-layer cache objects (``make_prompt_cache(model)``).
-            meta: optional user metadata (msgpack-serialisable values).
+            meta: optional user metadata: a dict with str keys whose values
+                are str, int, finite float, bool, None, lists and such dicts
+                (what reads back as written and prints as JSON).
             coverage: the tokens the cache has absorbed, as the caller knows
                 it (it prefilled the cache). Required when no layer reports
                 its coverage (e.g. every layer an ``arrays`` state); checked
@@ -213,7 +217,9 @@ class PromptStore:
                 layer reports coverage and ``coverage`` was not given, or
                 ``coverage`` differs from ``len(tokens)``.
             UnknownStorageKind: a layer's class has no codec.
-            InvalidInput: bad model id, tokens or meta.
+            InvalidInput: bad model id, tokens, cache (not a list of layers)
+                or meta (see :func:`promptstore.format._entry.check_meta`);
+                nothing was written, a stored entry is untouched.
             StoreFull: disk or map full; nothing was written.
         """
         return self._put(model, tokens, cache, meta, coverage, publish=True)
@@ -222,13 +228,18 @@ class PromptStore:
              coverage: Optional[int], publish: bool) -> EntryInfo:
         _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
-        layers = list(cache)
+        try:
+            layers = None if isinstance(cache, (str, bytes, dict)) else list(cache)
+        except TypeError:  # not iterable
+            layers = None
+        if layers is None:
+            raise InvalidInput(f"cache must be a list of cache layers (make_prompt_cache(model)), not {type(cache).__name__}")
         if not layers:
             raise InvalidInput("cache has no layers")
         n = len(toks)
         check_coverage(layers, n, coverage)
-        if meta is not None and not isinstance(meta, dict):
-            raise InvalidInput("meta must be a dict")
+        if meta is not None:
+            _entry.check_meta(meta)  # early, before encoding; every write checks it again as it packs the manifest
         encoded = [encode_layer(layer) for layer in layers]
         trimmable = is_trimmable(layers)
         name = model_name_of(model)
@@ -410,7 +421,7 @@ class PromptStore:
         if not self.env.readonly:
             try:
                 info = self._put(model, toks, cache, dict(man.meta), n, publish=False)
-            except StoreError as err:  # the fetched cache is checked: serve it, keep nothing
+            except (StoreError, InvalidInput) as err:  # checked cache: serve it, keep nothing (InvalidInput: meta an older writer allowed)
                 log.warning("promptstore: a remote entry was not stored locally: %s", err)
         if n > matched:
             trim_cache(cache, n - matched)
@@ -508,10 +519,11 @@ class PromptStore:
         never holds more than the budget plus the entry being written.
 
         Raises:
-            InvalidInput: not a byte count.
+            InvalidInput: not a byte count the store can hold, or ``plan``
+                is not a GcReport.
             StoreFull: the pinned entries alone exceed the budget (nothing changes).
         """
-        return self._capacity.set_budget(budget, plan)
+        return self._capacity.set_budget(budget, _check_plan(plan))
 
     def gc(self, budget: Optional[int] = None, dry_run: bool = False, plan: Optional[GcReport] = None) -> GcReport:
         """Evict least-recently-used unpinned entries down to the budget.
@@ -530,8 +542,12 @@ class PromptStore:
 
         Returns:
             A GcReport; with no budget and no plan nothing is evicted.
+
+        Raises:
+            InvalidInput: ``budget`` is not a byte count the store can hold,
+                or ``plan`` is not a GcReport.
         """
-        return self._capacity.gc(budget, dry_run, plan)
+        return self._capacity.gc(budget, dry_run, _check_plan(plan))
 
     def pin(self, key: str) -> None:
         """Pin the entry with id (or unique prefix) ``key``: never evicted.
@@ -585,3 +601,14 @@ class PromptStore:
         See :func:`promptstore.salvage`.
         """
         return _salvage(self.path, Path(dst))
+
+
+def _check_plan(plan: Optional[GcReport]) -> Optional[GcReport]:
+    """``plan`` when it is a dry run's GcReport (or None).
+
+    Raises:
+        InvalidInput: anything else.
+    """
+    if plan is not None and not isinstance(plan, GcReport):
+        raise InvalidInput(f"plan must be the GcReport of gc(dry_run=True), not {type(plan).__name__}")
+    return plan

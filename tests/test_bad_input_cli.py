@@ -1,0 +1,134 @@
+"""Bad input at the command line: a usage error (exit 2) or an expected error (exit 1),
+JSON under --json, never a traceback or an "unexpected" bug line, and the store untouched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from conftest import MODELS
+
+from promptstore import PromptStore
+from promptstore.cli import main
+
+LLAMA = str(MODELS / "llama")
+HUGE = str(2**64)  # one more than a store's budget can be
+
+
+@pytest.fixture
+def cli(tmp_path):
+    runner = CliRunner()
+    store_dir = str(tmp_path / "store")
+
+    def run(*args, code=0):
+        result = runner.invoke(main, ["--store", store_dir, *args])
+        assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+        out = result.output + (result.stderr if result.stderr_bytes is not None else "")
+        assert "Traceback" not in out and "unexpected" not in out and "a bug" not in out, out
+        return result
+
+    run.store_dir = store_dir
+    return run
+
+
+def js(result):
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def stored(cli):
+    """One pinned entry in the store; its id."""
+    eid = js(cli("put", "--model", LLAMA, "--prompt", "keep me", "--meta", "owner=alice", "--json"))["id"]
+    with PromptStore(cli.store_dir) as st:
+        st.pin(eid)
+    return eid
+
+
+def _listing(cli):
+    return sorted((e["id"], json.dumps(e["meta"], sort_keys=True), e["created"]) for e in js(cli("ls", "--json")))
+
+
+# -- meta ---------------------------------------------------------------------------
+
+
+def test_put_meta_that_is_not_utf8_is_a_usage_error_before_prefill(cli, stored):
+    before = _listing(cli)
+    doc = js(cli("put", "--model", LLAMA, "--prompt", "keep me", "--meta", "owner=\udcff", "--json", code=2))
+    assert doc["error"] == "UsageError" and "--meta" in doc["message"] and "meta['owner']" in doc["message"]
+    assert _listing(cli) == before
+    with PromptStore(cli.store_dir) as st:
+        assert st.pinned() == [stored] and st.info(stored).meta == {"owner": "alice"}
+
+
+def test_warmup_nan_and_deep_lines_are_line_errors_and_the_job_goes_on(cli, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        '{"id": "a", "prompt": "first good prompt"}\n'
+        '{"id": "nan", "prompt": "x", "meta": {"a": NaN}}\n'
+        '{"id": "deep", "prompt": "y", "meta": {"a": ' + "[" * 100_000 + "\n"
+        '{"id": "b", "prompt": "second good prompt", "meta": {"n": 1.5}}\n'
+    )
+    doc = js(cli("warmup", "--model", LLAMA, "--batch-size", "8", str(f), "--json", code=1))
+    assert (doc["stored"], doc["failed"], doc["prompts"]) == (2, 2, 4)
+    assert [(e["line"], e["id"]) for e in doc["errors"]] == [(2, "nan"), (3, None)]
+    assert "nan" in doc["errors"][0]["reason"] and "nested too deeply" in doc["errors"][1]["reason"]
+    listing = js(cli("ls", "--json"))  # every stored meta prints as JSON (no NaN)
+    assert sorted(e["meta"]["warmup"] for e in listing) == ["a", "b"]
+    human = cli("warmup", "--model", LLAMA, str(f), code=1)
+    assert f"{f}:2 (nan): " in human.output and f"{f}:3: " in human.output
+
+
+# -- budget -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [["--yes"], ["--dry-run"], ["--yes", "--json"], ["--dry-run", "--json"]])
+@pytest.mark.parametrize("budget", [HUGE, "18446744073709551616B", "20000000TB", pytest.param("9" * 5000, id="5000-digits")])
+def test_gc_budget_out_of_range_is_a_usage_error(cli, stored, budget, extra):
+    before = _listing(cli)
+    r = cli("gc", "--budget", budget, *extra, code=2)
+    if "--json" in extra:
+        doc = js(r)
+        assert doc["error"] == "UsageError" and "--budget" in doc["message"] and "larger than a store's budget" in doc["message"]
+    else:
+        assert "--budget" in r.output and "larger than a store's budget" in r.output
+    assert _listing(cli) == before
+    with PromptStore(cli.store_dir) as st:
+        assert st.budget is None
+
+
+def test_gc_largest_budget_is_exact_and_accepted(cli, stored):
+    top = str(2**64 - 1)
+    dry = js(cli("gc", "--budget", top, "--dry-run", "--json"))
+    assert dry["budget"] == 2**64 - 1 and dry["evict"] == []
+    done = js(cli("gc", "--budget", top, "--yes", "--json"))
+    assert done["budget"] == 2**64 - 1 and done["evicted"] == []
+
+
+# -- rm --older-than ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("age", ["9999999d", "800000d", "1000000000d", "99999999w"])
+@pytest.mark.parametrize("extra", [["--dry-run", "--json"], ["--yes", "--json"], ["--dry-run"]])
+def test_rm_older_than_beyond_any_date_is_a_usage_error(cli, stored, age, extra):
+    before = _listing(cli)
+    r = cli("rm", "--older-than", age, *extra, code=2)
+    text = js(r)["message"] if "--json" in extra else r.output
+    assert "--older-than" in text and "longer than any age an entry can have" in text
+    assert _listing(cli) == before
+
+
+# -- put --messages ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_put_messages_nested_too_deeply_is_invalid_input(cli, tmp_path, as_json):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    r = cli("put", "--model", LLAMA, "--messages", str(deep), *(["--json"] if as_json else []), code=1)
+    if as_json:
+        doc = js(r)
+        assert doc["error"] == "InvalidInput" and str(deep) in doc["message"] and "nested too deeply" in doc["message"]
+    else:
+        assert "nested too deeply" in r.output
+    assert not (tmp_path / "store").exists()  # refused before the store was opened
