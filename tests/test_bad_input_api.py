@@ -193,3 +193,17 @@ def test_gc_plan_that_is_not_a_report_is_invalid_input(pinned, plan):
         with pytest.raises(InvalidInput, match="plan must be the GcReport"):
             st.set_budget(10, plan=plan)
         assert st.budget is None and _state(st) == before
+
+
+def test_a_put_of_more_tokens_than_a_manifest_holds_is_refused(tmp_path):
+    """A manifest reads back at most ``MAX_TOKENS`` token ids: a longer put is
+    refused before anything is written, never stored unreadable."""
+    import numpy as np
+
+    from promptstore.bench import _data as data
+    from promptstore.format._entry import MAX_TOKENS
+
+    with PromptStore(tmp_path / "s") as st:
+        with pytest.raises(InvalidInput, match=f"at most {MAX_TOKENS} tokens"):
+            st.put("m", np.ones(MAX_TOKENS + 1, dtype=np.uint32), data.tiny_kv(3))
+        assert list(st.entries()) == []

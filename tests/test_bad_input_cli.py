@@ -132,3 +132,13 @@ def test_put_messages_nested_too_deeply_is_invalid_input(cli, tmp_path, as_json)
     else:
         assert "nested too deeply" in r.output
     assert not (tmp_path / "store").exists()  # refused before the store was opened
+
+
+def test_kv_bits_on_a_sliding_window_model_is_invalid_input(cli, stored):
+    """mlx-lm cannot quantize a RotatingKVCache ("Quantization NYI"): a typed
+    error naming the option, not 'a bug', and the store keeps what it had."""
+    before = _listing(cli)
+    out = js(cli("put", "--model", str(MODELS / "gemma3_text"), "--prompt", "hello there friend", "--kv-bits", "4",
+                 "--quantized-kv-start", "0", "--json", code=1))
+    assert out["error"] == "InvalidInput" and "--kv-bits" in out["message"], out
+    assert _listing(cli) == before

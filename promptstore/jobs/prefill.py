@@ -169,7 +169,17 @@ def quantizer(options: Optional[CacheOptions]) -> Optional[Callable[[List[Any]],
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     start, group, bits = options.quantized_kv_start, options.kv_group_size, options.kv_bits
-    return lambda cache: maybe_quantize_kv_cache(cache, start, group, bits)
+
+    def quantize(cache: List[Any]) -> None:
+        try:
+            maybe_quantize_kv_cache(cache, start, group, bits)
+        except NotImplementedError as err:  # e.g. RotatingKVCache: "Quantization NYI"
+            raise InvalidInput(
+                f"kv_bits: mlx-lm cannot quantize this model's cache ({err}: a sliding-window layer); "
+                "leave --kv-bits out for this model"
+            ) from err
+
+    return quantize
 
 
 def prefill(

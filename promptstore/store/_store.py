@@ -228,6 +228,8 @@ class PromptStore:
              coverage: Optional[int], publish: bool) -> EntryInfo:
         _keys.model_id(model)
         toks = _keys.as_tokens(tokens)
+        if len(toks) > _entry.MAX_TOKENS:  # its manifest could not be read back
+            raise InvalidInput(f"an entry covers at most {_entry.MAX_TOKENS} tokens, not {len(toks)}")
         try:
             layers = None if isinstance(cache, (str, bytes, dict)) else list(cache)
         except TypeError:  # not iterable
