@@ -207,3 +207,24 @@ def test_a_put_of_more_tokens_than_a_manifest_holds_is_refused(tmp_path):
         with pytest.raises(InvalidInput, match=f"at most {MAX_TOKENS} tokens"):
             st.put("m", np.ones(MAX_TOKENS + 1, dtype=np.uint32), data.tiny_kv(3))
         assert list(st.entries()) == []
+
+
+@pytest.mark.parametrize("path", [123, b"/tmp/store", "store\x00x", "store-\udcff"])
+def test_a_store_path_that_cannot_name_a_folder_is_invalid_input(tmp_path, path):
+    """Refused before anything is created (a reviewer saw TypeError,
+    ValueError, and a UnicodeEncodeError after the folder was made)."""
+    if isinstance(path, str):
+        path = str(tmp_path / path)
+    with pytest.raises(InvalidInput):
+        PromptStore(path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_remote_that_is_not_a_url_and_a_salvage_into_a_file_are_invalid_input(tmp_path):
+    with pytest.raises(InvalidInput, match="remote must be a URL"):
+        PromptStore(tmp_path / "s", remote=5)
+    (tmp_path / "file").write_text("x")
+    with PromptStore(tmp_path / "t") as st:
+        with pytest.raises(InvalidInput, match="is a file"):
+            st.salvage(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"

@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 from promptstore.codecs import Encoded
 from promptstore.remote._publisher import QUEUE, Publisher
 from promptstore.remote._tier import Key, Remote
+from promptstore.errors import RemoteURLError
 from promptstore.remote._url import RemoteURL
 
 ENV = "PROMPTSTORE_REMOTE"
@@ -60,4 +61,6 @@ def open_remote(remote: Union[str, bool, RemoteURL, None]) -> Optional[RemoteTie
         remote = os.environ.get(ENV, "")
     if remote is False or remote == "" or remote is True:
         return None
+    if not isinstance(remote, (str, RemoteURL)):
+        raise RemoteURLError(f"remote must be a URL (str), False or None, not {type(remote).__name__}")
     return RemoteTier(remote)

@@ -148,6 +148,8 @@ def salvage(src, dst) -> SalvageReport:
         StoreUnavailable: the source cannot be opened at all (the message says why).
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if dst.exists() and not dst.is_dir():
+        raise InvalidInput(f"{dst} is a file; salvage writes into a fresh directory")
     if dst.exists() and any(dst.iterdir()):
         raise InvalidInput(f"{dst} exists and is not empty; salvage writes into a fresh directory")
     scratch = dst.parent / f".{dst.name}.salvage-src"

@@ -93,7 +93,7 @@ class PromptStore:
         check_budget(budget)  # before the store's folder is created
         self._remote: Optional[RemoteTier] = None
         tier = open_remote(remote)  # a bad URL fails before anything is opened
-        self.path = Path(path).expanduser() if path is not None else default_path()
+        self.path = _store_path(path) if path is not None else default_path()
         env = Env(self.path, map_size=map_size, readonly=readonly)
         self._env: Optional[Env] = env
         tables = env.db
@@ -614,3 +614,21 @@ def _check_plan(plan: Optional[GcReport]) -> Optional[GcReport]:
     if plan is not None and not isinstance(plan, GcReport):
         raise InvalidInput(f"plan must be the GcReport of gc(dry_run=True), not {type(plan).__name__}")
     return plan
+
+
+def _store_path(path: Any) -> Path:
+    """``path`` as the store's folder, checked before anything is created.
+
+    Raises:
+        InvalidInput: not a str or path, or one the file system cannot name
+            (a NUL byte, a name that is not UTF-8).
+    """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise InvalidInput(f"the store path must be a str or a pathlib.Path, not {type(path).__name__}")
+    try:
+        os.fspath(path).encode("utf-8")  # py-lmdb opens paths by their UTF-8 bytes
+    except UnicodeEncodeError as err:
+        raise InvalidInput(f"the store path {str(path)[:80]!r} is not valid UTF-8 ({err.reason})") from err
+    if "\0" in os.fspath(path):
+        raise InvalidInput("the store path contains a NUL byte")
+    return Path(path).expanduser()
