@@ -228,3 +228,11 @@ def test_a_remote_that_is_not_a_url_and_a_salvage_into_a_file_are_invalid_input(
         with pytest.raises(InvalidInput, match="is a file"):
             st.salvage(tmp_path / "file")
     assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize("keys", [None, 5, "abc", [1, 2]])
+def test_own_bytes_of_something_that_is_not_a_list_of_ids_is_invalid_input(tmp_path, keys):
+    with PromptStore(tmp_path / "s") as st:
+        with pytest.raises(InvalidInput, match="list of entry ids"):
+            st.own_bytes(keys)
+        assert st.own_bytes([]) == {}

@@ -50,3 +50,12 @@ def test_a_new_store_and_an_existing_one_still_open(tmp_path):
         store.put("m", [1, 2, 3], data.tiny_kv(3))
     with PromptStore(tmp_path / "new", readonly=True) as store:
         assert store.get("m", [1, 2, 3]) is not None
+
+
+def test_an_empty_data_file_is_not_a_store_to_read(tmp_path):
+    """Read-only, LMDB cannot start an empty file and said "Bad file descriptor"."""
+    (tmp_path / "db").mkdir()
+    (tmp_path / "db" / "data.mdb").touch()
+    doc = error(tmp_path / "db", "ls")
+    assert "not a promptstore store (its data.mdb is empty)" in doc["message"]
+    assert (tmp_path / "db" / "data.mdb").stat().st_size == 0

@@ -250,6 +250,10 @@ class Env:
         if self.readonly and not (where / "data.mdb").is_file():
             # lmdb would report "No such file"; say what the folder is not.
             raise StoreUnavailable(f"{where}: not a promptstore store (no data.mdb); check the --store path")
+        if self.readonly and (where / "data.mdb").stat().st_size == 0 and not (self.path / STORE_ID_FILE).exists():
+            # lmdb would report "Bad file descriptor" (it cannot write a first meta page); a
+            # folder that held a store says so in check_identity, with the way out
+            raise StoreUnavailable(f"{where}: not a promptstore store (its data.mdb is empty); check the --store path")
         try:
             try:
                 env = self._lmdb_open(where, name)

@@ -466,9 +466,19 @@ class PromptStore:
         """For each entry id: its array bytes that no other entry shares
         (deleting it alone frees them, plus its manifest). The rest of its
         ``nbytes`` is in shared blocks other entries also reference. Ids no
-        longer stored (or unreadable) are left out."""
+        longer stored (or unreadable) are left out.
+
+        Raises:
+            InvalidInput: ``keys`` is not a list of ids.
+        """
+        try:
+            ids = None if isinstance(keys, (str, bytes)) else list(keys)
+        except TypeError:
+            ids = None
+        if ids is None or not all(isinstance(k, str) for k in ids):
+            raise InvalidInput(f"keys must be a list of entry ids (str), not {type(keys).__name__}")
         with self.env.read() as txn:
-            return self._catalog.own_bytes(txn, keys, lambda ekey: self._reader.manifest(txn, ekey))
+            return self._catalog.own_bytes(txn, ids, lambda ekey: self._reader.manifest(txn, ekey))
 
     def counters(self) -> Dict[str, int]:
         """Hits and misses recorded by every process (after their flush)."""
