@@ -236,3 +236,13 @@ def test_own_bytes_of_something_that_is_not_a_list_of_ids_is_invalid_input(tmp_p
         with pytest.raises(InvalidInput, match="list of entry ids"):
             st.own_bytes(keys)
         assert st.own_bytes([]) == {}
+
+
+def test_warmup_line_whose_id_is_not_utf8_is_a_line_error(tmp_path):
+    """The id goes into the entry's meta as text: a lone surrogate used to pass
+    the line check and fail the put of the whole batch it was prefilled in."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 1, "prompt": "fine"}\n{"id": "\\ud800", "prompt": "x"}\n{"id": 3, "prompt": "y"}\n')
+    records, errors = read_prompts(f)
+    assert [r.id for r in records] == [1, 3]
+    assert [e.line for e in errors] == [2] and "UTF-8" in errors[0].reason

@@ -131,6 +131,10 @@ def _check_record(obj: Any) -> Tuple[Any, Optional[str]]:
         return rid, 'give exactly one of "prompt" or "messages"'
     if isinstance(rid, (dict, list)):
         return rid, '"id" must be a string or a number'
+    try:  # the entry's meta holds it as text: one that is not UTF-8 would fail the whole batch at put
+        str(rid).encode("utf-8")
+    except UnicodeEncodeError as err:
+        return None, f'"id" is not valid UTF-8 ({err.reason} at {err.start})'
     if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
         return rid, '"prompt" must be a non-empty string'
     if "messages" in obj:
