@@ -67,7 +67,8 @@ def test_urls():
     assert "s@cret" not in str(u) and "***" in str(u)
     assert parse_url("redis://h").port == 6379 and parse_url("redis://h").namespace == "promptstore"
     for bad in ("http://h:1", "redis://:1", "redis://h:1/x", "redis://h:1?ns=a b", "redis://h:1?tmo=1",
-                "redis://h:1?timeout=0", "redis://h:99999", ""):
+                "redis://h:1?timeout=0", "redis://h:99999", "", "redis://h:0", "redis://h:00",
+                "redis://h:1/\u0663"):  # port 0 (was read as 6379), an Arabic-Indic digit as the db (was db 3)
         with pytest.raises(RemoteURLError):
             parse_url(bad)
     with pytest.raises(RemoteURLError):  # refused before any store is opened

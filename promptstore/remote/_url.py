@@ -58,8 +58,10 @@ def parse_url(url: str) -> RemoteURL:
         raise RemoteURLError(f"{_hide(url)}: the scheme must be redis:// or rediss:// (TLS), not {parts.scheme!r}")
     if not parts.hostname:
         raise RemoteURLError(f"{_hide(url)}: no host; expected redis://[user:password@]host:port[/db]")
+    if port == 0:  # urlsplit reads ":0" and ":00" as 0, which "or 6379" would have turned into the default
+        raise RemoteURLError(f"{_hide(url)}: port 0 is not a port; expected redis://[user:password@]host:port[/db]")
     path = parts.path.strip("/")
-    if path and not path.isdigit():
+    if path and not (path.isascii() and path.isdigit()):  # str.isdigit alone takes other scripts' digits
         raise RemoteURLError(f"{_hide(url)}: the path must be a database number (/0), not {path!r}")
     query = parse_qs(parts.query, keep_blank_values=True)
     unknown = set(query) - {"ns", "timeout"}
@@ -76,7 +78,7 @@ def parse_url(url: str) -> RemoteURL:
         raise RemoteURLError(f"{_hide(url)}: timeout must lie in (0, 600] seconds")
     return RemoteURL(
         host=parts.hostname,
-        port=port or 6379,
+        port=6379 if port is None else port,
         tls=parts.scheme == "rediss",
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password is not None else None,
