@@ -272,3 +272,41 @@ def test_resharding_redirects_are_followed(tmp_path, fresh_cluster):
         stats = b.remote.stats()
         assert not any(k.startswith("errors") and v for k, v in stats.items()), stats
     print(f"\nresharding: {moved} keys moved (MOVED), {asked} keys in migrating slots (ASK): restored bit-exact")
+
+
+def test_a_lookup_falls_back_to_the_next_entry_when_the_best_is_evicted(tmp_path, redis_single):
+    """Redis evicts blocks and manifests one by one, and index records stay:
+    a lookup whose best entry lost a block, or whose best four index records
+    name evicted manifests, restores the longest entry still whole (a
+    reviewer saw a permanent miss in both cases)."""
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_single, ns)
+    t = toks(700, seed=5)
+    caches = {n: noise_cache(n, n) for n in range(200, 701, 100)}  # no block shared between entries
+    with PromptStore(tmp_path / "a", remote=url) as a:
+        for n, cache in caches.items():
+            a.put(MODEL, t[:n], cache)
+        assert a.remote.flush(10) and a.remote.stats().get("errors", 0) == 0
+        layout = a.remote.remote.layout
+        longest = a.remote.remote.get(a._remote_key(MODEL, np.asarray(t, dtype=np.uint32)))
+    r = redis_single.client()
+    r.delete(layout.block(longest.manifest.parts()[0][0]))  # the best entry loses a block
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        hit = b.lookup(MODEL, t + [1])
+        assert hit is not None and hit.matched == 600
+        same(hit.cache, caches[600])
+        assert b.remote.stats()["errors.missing"] == 1
+    for n in (300, 400, 500, 600, 700):  # five stale index records ahead of the 200-token entry
+        r.delete(layout.manifest(_ekey_of(t[:n])))
+    with PromptStore(tmp_path / "c", remote=url) as c:
+        hit = c.lookup(MODEL, t + [1])
+        assert hit is not None and hit.matched == 200
+        same(hit.cache, caches[200])
+        assert c.remote.stats()["stale_index"] == 5
+
+
+def _ekey_of(tokens):
+    from promptstore.store import _keys
+
+    mid = _keys.model_id(MODEL)
+    return _keys.entry_key(mid, np.asarray(tokens, dtype=np.uint32))

@@ -34,7 +34,8 @@ from promptstore.remote._url import RemoteURL, parse_url
 log = logging.getLogger("promptstore")
 
 COOLDOWN = 5.0  # seconds a remote found unreachable is left alone
-MAX_CANDIDATES = 4  # exact-prefix manifests read per lookup
+MAX_CANDIDATES = 4  # exact-prefix manifests read per round of a lookup
+MANIFEST_ROUNDS = 4  # rounds of a lookup while index records name evicted manifests
 
 
 @dataclass(frozen=True)
@@ -150,15 +151,23 @@ class Remote:
         than ``better_than``: one whose tokens are a prefix of the query, or
         a longer trimmable one sharing a longer prefix. None on a miss or
         any failure (counted)."""
+        found = self.candidates(key, better_than)
+        return found[0] if found else None
+
+    def candidates(self, key: Key, better_than: int = 0) -> List[Found]:
+        """The remote entries that could serve ``key.tokens`` beyond
+        ``better_than`` tokens, their manifests read and checked, most tokens
+        first: a fetch that fails (a block evicted) falls back to the next.
+        Empty on a miss or any failure (counted)."""
         if not self.available():
-            return None
+            return []
         try:
             return self._find(key, better_than)
         except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
             self.failed("lookup", err)
-            return None
+            return []
 
-    def _find(self, key: Key, better_than: int) -> Optional[Found]:
+    def _find(self, key: Key, better_than: int) -> List[Found]:
         toks, h = key.tokens, key.hashes
         n_query = len(toks)
         nodes = list(range(n_query // NODE, better_than // NODE - 1, -1))
@@ -174,31 +183,41 @@ class Remote:
                 if better_than < n <= n_query and int(h[n]) == digest and ekey[:16] == key.mid:
                     exact.append((n, ekey))
         exact.sort(reverse=True)
-        exact = exact[:MAX_CANDIDATES]
         trim_nodes = [k for k in nodes if k >= 1]
         reps = self.client.get([self.layout.trims(key.mid, int(h[k * NODE]), k) for k in trim_nodes])
         rep = next((_ekey(r) for r in reps if r is not None and _ekey(r) is not None), None)
-        wanted = [e for _, e in exact] + ([rep] if rep is not None and rep not in [e for _, e in exact] else [])
-        if not wanted:
-            return None
-        raws = self.client.get([self.layout.manifest(e) for e in wanted])
-        best: Optional[Found] = None
-        for ekey, raw in zip(wanted, raws):
-            if raw is None:  # evicted or deleted: the index record is stale
-                self.count("stale_index")
-                continue
-            try:
-                man = _wire.decode_manifest(raw, f"remote entry {ekey.hex()[:16]}")
-            except (RemoteCorrupt, UnsupportedVersion) as err:
-                self.failed("lookup", err)
-                continue
-            if man.model != key.model:
-                continue  # another identity under a colliding id: never restored
-            m = _common(man.tokens, toks)
-            usable = m if m == len(man.tokens) else (m if man.trimmable else 0)
-            if usable > better_than and (best is None or usable > best.matched):
-                best = Found(ekey, man, usable)
-        return best
+        # Manifests are read MAX_CANDIDATES at a time, longest first, until that
+        # many are readable: index records are never removed, so those of
+        # evicted entries must not hide the shorter entries still stored.
+        found: List[Found] = []
+        pending = [e for _, e in exact]
+        if rep is not None and rep not in pending:
+            pending.insert(0, rep)
+        for _ in range(MANIFEST_ROUNDS):
+            wanted, pending = pending[:MAX_CANDIDATES], pending[MAX_CANDIDATES:]
+            if not wanted:
+                break
+            readable = 0
+            for ekey, raw in zip(wanted, self.client.get([self.layout.manifest(e) for e in wanted])):
+                if raw is None:  # evicted or deleted: the index record is stale
+                    self.count("stale_index")
+                    continue
+                try:
+                    man = _wire.decode_manifest(raw, f"remote entry {ekey.hex()[:16]}")
+                except (RemoteCorrupt, UnsupportedVersion) as err:
+                    self.failed("lookup", err)
+                    continue
+                readable += 1
+                if man.model != key.model:
+                    continue  # another identity under a colliding id: never restored
+                m = _common(man.tokens, toks)
+                usable = m if m == len(man.tokens) else (m if man.trimmable else 0)
+                if usable > better_than:
+                    found.append(Found(ekey, man, usable))
+            if readable == len(wanted):
+                break
+        found.sort(key=lambda f: f.matched, reverse=True)
+        return found
 
     def get(self, key: Key) -> Optional[Found]:
         """The remote entry of exactly ``key.tokens``, its manifest checked; None on a miss or failure."""
@@ -246,18 +265,20 @@ class Remote:
         more than ``better_than`` tokens (the local tier's match, whose
         restored ``local_cache`` lends the blocks it shares): ``(found,
         cache)``, or None (a miss, counted; failures counted by kind)."""
-        found = self.find(key, better_than)
-        cache = None
-        if found is not None:
-            local = None
-            if local_cache is not None and better_than > 0:
-                local = local_blocks(local_cache, key.tokens[:better_than], key.model)
-            cache = self.fetch(found, local)
-        if cache is None or found is None:
-            self.count("misses")
-            return None
-        self.count("hits")
-        return found, cache
+        local = None
+        for found in self.candidates(key, better_than):
+            if local is None:
+                local = {}
+                if local_cache is not None and better_than > 0:
+                    local = local_blocks(local_cache, key.tokens[:better_than], key.model)
+            cache = self.fetch(found, local)  # None: failed (counted)
+            if cache is not None:
+                self.count("hits")
+                return found, cache
+            if time.monotonic() < self._down_until:
+                break  # unreachable: the next candidate would wait out the same timeout
+        self.count("misses")
+        return None
 
     def entries(self) -> Iterator[Tuple[bytes, _wire.RManifest]]:
         """Every readable manifest of the namespace (a scan: for ``ls --remote``).
