@@ -279,6 +279,11 @@ class PersistentPromptCache:
             self._count("misses")
             return None, toks
         entry, c = found
+        if ident is not None and self.persist and not self._closed:
+            try:  # the store's eviction order must see the uses the memory tier served
+                self.store.touch(ident, entry.tokens)
+            except PromptStoreError as err:
+                log.debug("promptstore: a use not recorded: %s", err)
         cache = checkout(entry.cache, entry.viewable)
         if c < len(entry.tokens):
             from mlx_lm.models.cache import trim_prompt_cache
@@ -321,8 +326,10 @@ class PersistentPromptCache:
             nbytes = sum(int(getattr(c, "nbytes", 0)) for c in layers)
             trimmable = can_trim_prompt_cache(layers)
         self._memory.add(MemEntry(mkey, toks, layers, nbytes, cache_type, trimmable, viewable))
-        if ident is None or not viewable or not self.persist or self._closed or not self._remember(ident, toks):
+        if ident is None or not viewable or not self.persist or self._closed:
             return
+        if not self._remember(ident, toks) and self._stored(ident, toks):
+            return  # written before and still stored (one evicted since is written again)
         meta = {"source": SOURCE, "cache_type": cache_type}
         self._writer.submit(Job(ident, toks, layers, nbytes, meta))
 
@@ -456,6 +463,13 @@ class PersistentPromptCache:
             while len(self._known) > _KNOWN_MAX:
                 self._known.popitem(last=False)
         return True
+
+    def _stored(self, ident: str, toks: np.ndarray) -> bool:
+        """Whether the store holds (ident, toks); True when it cannot tell."""
+        try:
+            return self.store.exists(ident, toks)
+        except PromptStoreError:
+            return True
 
     def _unremember(self, ident: str, toks: np.ndarray) -> None:
         """Unmark (ident, toks): the next insert of it is written again."""

@@ -340,6 +340,15 @@ class PromptStore:
         toks = _keys.as_tokens(tokens)
         return self._finder.exists(self.env, model, toks)
 
+    def touch(self, model: str, tokens: _keys.Tokens) -> None:
+        """Record a use of the entry of exactly ``tokens`` (if stored) for the
+        eviction order, reading nothing: for a caller that served it from its
+        own memory, so that the entry it uses most is not evicted first.
+        Written with the next write, or within ``Usage.FLUSH_EVERY`` seconds."""
+        toks = _keys.as_tokens(tokens)
+        self._usage.touch(_keys.entry_key(_keys.model_id(model), toks))
+        self._flush_soon()
+
     def get(self, model: str, tokens: _keys.Tokens) -> Optional[List[Any]]:
         """The stored cache of exactly ``tokens``, or None.
 
