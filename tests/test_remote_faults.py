@@ -310,3 +310,32 @@ def _ekey_of(tokens):
 
     mid = _keys.model_id(MODEL)
     return _keys.entry_key(mid, np.asarray(tokens, dtype=np.uint32))
+
+
+def test_a_key_of_another_type_is_a_corrupt_miss_and_the_tier_stays_up(tmp_path, redis_single):
+    """A key the tier reads holding another Redis type (WRONGTYPE) is damage
+    counted as corrupt, not an unreachable remote: no cool-down, and the
+    entries whose keys are intact still restore (a reviewer saw the whole
+    tier switched off by one such key)."""
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_single, ns)
+    t, cache = published(tmp_path, url, n=600, seed=1)
+    u = toks(300, seed=2)
+    published(tmp_path, url, n=300, seed=2, name="a2")
+    r = redis_single.client()
+    bad = _manifest_key(ns, t)
+    assert r.delete(bad) == 1
+    r.hset(bad, b"x", b"y")  # the 600-token entry's manifest is now a hash
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        assert b.lookup(MODEL, t) is None
+        st = b.remote.stats()
+        assert st["errors.corrupt"] >= 1 and "errors.unavailable" not in st
+        hit = b.lookup(MODEL, u)  # at once: no cool-down
+        assert hit is not None and hit.matched == 300
+        assert b.remote.stats().get("skipped", 0) == 0
+
+
+def _manifest_key(ns, tokens):
+    from promptstore.remote._layout import Layout
+
+    return Layout(ns).manifest(_ekey_of(tokens))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from promptstore.errors import RemoteCorrupt, RemoteUnavailable, RemoteURLError
+from promptstore.errors import RemoteCorrupt, RemoteError, RemoteUnavailable, RemoteURLError
 from promptstore.remote import _direct
 from promptstore.remote._url import RemoteURL
 
@@ -180,6 +180,12 @@ class Client:
             raise _unavailable(self.url, err) from err
 
 
-def _unavailable(url: RemoteURL, err: Exception) -> RemoteUnavailable:
+def _unavailable(url: RemoteURL, err: Exception) -> RemoteError:
+    """The error a failed call raises: RemoteCorrupt when the server refused a
+    key holding another type than the tier writes there (damage, or another
+    program's key: the remote is up, and every other key still serves),
+    RemoteUnavailable otherwise (the tier then cools down)."""
+    if "WRONGTYPE" in str(err) and type(err).__name__ in ("ResponseError", "ReplyError"):
+        return RemoteCorrupt(f"remote {url}: a key holds a value of another type ({err})")
     what = "timed out" if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__ else "failed"
     return RemoteUnavailable(f"remote {url} {what}: {type(err).__name__}: {err}")
