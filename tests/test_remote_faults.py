@@ -339,3 +339,36 @@ def _manifest_key(ns, tokens):
     from promptstore.remote._layout import Layout
 
     return Layout(ns).manifest(_ekey_of(tokens))
+
+
+def test_a_staged_fetch_from_a_paused_remote_waits_one_timeout(tmp_path, fresh_single, monkeypatch):
+    """A restore staged through mlx's loader (the CUDA default) fills every
+    array even after one failed; each used to wait out the timeout again (81 s
+    for 96 arrays in a reviewer's run). After the first failure the fetch's
+    other reads fail at once: a miss within a few timeouts."""
+    monkeypatch.setenv("PROMPTSTORE_RESTORE", "staged")
+    ns = f"f{next(_ns)}"
+    url = url_of(fresh_single, ns, timeout=0.5)
+    t = toks(1000, seed=3)
+    with PromptStore(tmp_path / "a", remote=url) as a:
+        a.put(MODEL, t, noise_cache(1000, 3) * 12)  # 24 layers: 48 arrays, each filled on its own
+        assert a.remote.flush(10) and a.remote.stats().get("errors", 0) == 0
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        found = b.remote.remote.find(b._remote_key(MODEL, np.asarray(t, dtype=np.uint32)))
+        assert found is not None and found.matched == 1000
+        client = b.remote.remote.client
+        real = client.get_into
+
+        def pause_first(keys, sinks):  # the server stops answering once the fills have begun
+            fresh_single.pause()
+            return real(keys, sinks)
+
+        monkeypatch.setattr(client, "get_into", pause_first)
+        try:
+            start = time.monotonic()
+            assert b.remote.remote.fetch(found) is None
+            took = time.monotonic() - start
+        finally:
+            fresh_single.resume()
+        assert took < 5, took
+        assert b.remote.stats()["errors.unavailable"] == 1

@@ -247,10 +247,24 @@ class Remote:
             keys = {a: self.layout.block(a) for a in need}
             # The blocks it lacks are read from the sockets straight into the
             # restored arrays (``Client.get_into``), each checked in place.
+            # A restore staged through mlx's loader fills every array even after
+            # one failed: after the first failure of this fetch, the others
+            # fail at once instead of each waiting out the timeout again.
+            failed: List[RemoteError] = []
+
+            def once(call: Callable[[], Any]) -> Any:
+                if failed:
+                    raise failed[0]
+                try:
+                    return call()
+                except RemoteError as err:
+                    failed.append(err)
+                    raise
+
             direct = _wire.Direct(
                 frozenset(need),
-                lambda addrs: self.client.exists([keys[a] for a in addrs]),
-                lambda addrs, sinks: self.client.get_into([keys[a] for a in addrs], sinks),
+                lambda addrs: once(lambda: self.client.exists([keys[a] for a in addrs])),
+                lambda addrs, sinks: once(lambda: self.client.get_into([keys[a] for a in addrs], sinks)),
             )
             cache = _wire.assemble(found.manifest, local.get, f"remote entry {found.ekey.hex()[:16]}", direct)
         except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
