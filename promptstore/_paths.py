@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cache_root", "default_path"]
+from promptstore.errors import InvalidInput
+
+__all__ = ["cache_root", "default_path", "store_path"]
 
 
 def cache_root() -> Path:
@@ -32,3 +35,21 @@ def default_path() -> Path:
     if not os.environ.get("XDG_CACHE_HOME") and legacy.is_dir():
         return legacy
     return cache_root() / "promptstore"
+
+
+def store_path(path: Any) -> Path:
+    """``path`` as a store's folder, checked before anything is created.
+
+    Raises:
+        InvalidInput: not a str or path, or one the file system cannot name
+            (a NUL byte, a name that is not UTF-8).
+    """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise InvalidInput(f"the store path must be a str or a pathlib.Path, not {type(path).__name__}")
+    try:
+        os.fspath(path).encode("utf-8")  # py-lmdb opens paths by their UTF-8 bytes
+    except UnicodeEncodeError as err:
+        raise InvalidInput(f"the store path {str(path)[:80]!r} is not valid UTF-8 ({err.reason})") from err
+    if "\0" in os.fspath(path):
+        raise InvalidInput("the store path contains a NUL byte")
+    return Path(path).expanduser()

@@ -15,6 +15,7 @@ from _redis import (  # noqa: F401
     free_port, fresh_cluster, fresh_single, redis_binary, redis_cluster, redis_root, redis_single, start_server,
 )
 from promptstore import PromptStore
+from promptstore.store._fetched import remote_key
 from test_remote import MODEL, kv_cache, same, toks, url_of
 
 _ns = itertools.count()
@@ -93,7 +94,7 @@ def test_master_killed_mid_fetch(tmp_path, fresh_cluster):
     url = url_of(fresh_cluster, ns, timeout=0.5)
     t, cache = published(tmp_path, url, n=1500)
     with PromptStore(tmp_path / "b", remote=url) as b:
-        key = b._remote_key(MODEL, np.asarray(t, dtype=np.uint32))
+        key = remote_key(MODEL, np.asarray(t, dtype=np.uint32))
         found = b.remote.remote.find(key)
         assert found is not None and found.matched == len(t)
         holders = {fresh_cluster.node_of(b.remote.remote.layout.block(a)).port for a, _ in found.manifest.parts()}
@@ -288,7 +289,7 @@ def test_a_lookup_falls_back_to_the_next_entry_when_the_best_is_evicted(tmp_path
             a.put(MODEL, t[:n], cache)
         assert a.remote.flush(10) and a.remote.stats().get("errors", 0) == 0
         layout = a.remote.remote.layout
-        longest = a.remote.remote.get(a._remote_key(MODEL, np.asarray(t, dtype=np.uint32)))
+        longest = a.remote.remote.get(remote_key(MODEL, np.asarray(t, dtype=np.uint32)))
     r = redis_single.client()
     r.delete(layout.block(longest.manifest.parts()[0][0]))  # the best entry loses a block
     with PromptStore(tmp_path / "b", remote=url) as b:
@@ -354,7 +355,7 @@ def test_a_staged_fetch_from_a_paused_remote_waits_one_timeout(tmp_path, fresh_s
         a.put(MODEL, t, noise_cache(1000, 3) * 12)  # 24 layers: 48 arrays, each filled on its own
         assert a.remote.flush(10) and a.remote.stats().get("errors", 0) == 0
     with PromptStore(tmp_path / "b", remote=url) as b:
-        found = b.remote.remote.find(b._remote_key(MODEL, np.asarray(t, dtype=np.uint32)))
+        found = b.remote.remote.find(remote_key(MODEL, np.asarray(t, dtype=np.uint32)))
         assert found is not None and found.matched == 1000
         client = b.remote.remote.client
         real = client.get_into

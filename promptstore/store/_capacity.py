@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
-from promptstore.errors import EntryNotFound, StoreFull
+from promptstore.errors import EntryNotFound, InvalidInput, StoreFull
 from promptstore.store import _budget, _keys
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import Env
@@ -50,6 +50,7 @@ class Capacity:
     def set_budget(self, budget: Optional[int], plan: Optional[GcReport] = None) -> GcReport:
         """See :meth:`PromptStore.set_budget`."""
         budget = _budget.check_budget(budget)
+        _check_plan(plan)
 
         def write(txn) -> GcReport:
             if budget is not None:
@@ -67,6 +68,7 @@ class Capacity:
     def gc(self, budget: Optional[int] = None, dry_run: bool = False, plan: Optional[GcReport] = None) -> GcReport:
         """See :meth:`PromptStore.gc`."""
         budget = _budget.check_budget(budget)
+        _check_plan(plan)
         if dry_run:
             with self._env.read() as txn:
                 target = budget if budget is not None else _budget.get_budget(txn, self._db)
@@ -159,3 +161,13 @@ class Capacity:
                 for k in txn.cursor(db=self._db.pins).iternext(keys=True, values=False)
                 if txn.get(bytes(k), db=self._db.entries) is not None
             )
+
+
+def _check_plan(plan: Optional[GcReport]) -> None:
+    """Refuse a ``plan`` that is not a dry run's GcReport (None is no plan).
+
+    Raises:
+        InvalidInput: anything else.
+    """
+    if plan is not None and not isinstance(plan, GcReport):
+        raise InvalidInput(f"plan must be the GcReport of gc(dry_run=True), not {type(plan).__name__}")

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
-from promptstore.errors import EntryNotFound, PromptStoreError
+from promptstore.errors import EntryNotFound, InvalidInput, PromptStoreError
 from promptstore.format import _entry
 from promptstore.store import _budget, _keys
 from promptstore.store._results import EntryInfo, utc
@@ -83,9 +83,19 @@ class Catalog:
 
     def own_bytes(self, txn, keys: Iterable[str], manifest: Callable[[bytes], Optional[_entry.Manifest]]) -> Dict[str, int]:
         """:meth:`alone` of each entry id in ``keys`` (ids not stored, or
-        unreadable, left out); ``manifest(entry key)`` reads a manifest."""
+        unreadable, left out); ``manifest(entry key)`` reads a manifest.
+
+        Raises:
+            InvalidInput: ``keys`` is not a list of ids.
+        """
+        try:
+            ids = None if isinstance(keys, (str, bytes)) else list(keys)
+        except TypeError:
+            ids = None
+        if ids is None or not all(isinstance(k, str) for k in ids):
+            raise InvalidInput(f"keys must be a list of entry ids (str), not {type(keys).__name__}")
         out: Dict[str, int] = {}
-        for key in keys:
+        for key in ids:
             try:
                 man = manifest(self.resolve(txn, key))
             except PromptStoreError:

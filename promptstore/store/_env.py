@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 import lmdb
 
 from promptstore.format import _pages
-from promptstore.store._faults import check_size, translate
+from promptstore.store._faults import check_size, check_tables, translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
 from promptstore.store._schema import (
     DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
@@ -251,8 +251,7 @@ class Env:
             # lmdb would report "No such file"; say what the folder is not.
             raise StoreUnavailable(f"{where}: not a promptstore store (no data.mdb); check the --store path")
         if self.readonly and (where / "data.mdb").stat().st_size == 0 and not (self.path / STORE_ID_FILE).exists():
-            # lmdb would report "Bad file descriptor" (it cannot write a first meta page); a
-            # folder that held a store says so in check_identity, with the way out
+            # lmdb: "Bad file descriptor"; a folder that held a store: check_identity says so
             raise StoreUnavailable(f"{where}: not a promptstore store (its data.mdb is empty); check the --store path")
         try:
             try:
@@ -273,7 +272,7 @@ class Env:
         try:
             check_size(env, where)
             env.reader_check()
-            _check_tables(env, where)
+            check_tables(env, where)
             db = {}
             if self.readonly:
                 # py-lmdb ends a read transaction by aborting it, which would leave
@@ -599,17 +598,3 @@ class Env:
         if os.getpid() == self.pid:
             self._gate.close(timeout, last)
 
-
-def _check_tables(env: lmdb.Environment, where: Path) -> None:
-    """Refuse an LMDB database of something else: a data file whose main
-    table holds names but none of the store's tables. Left alone, a read
-    would fail on a missing table with LMDB's "MDB_NOTFOUND", and a write
-    would add the store's tables to the other program's file."""
-    with env.begin() as txn:
-        names = [bytes(key) for key in txn.cursor().iternext(keys=True, values=False)]
-    if names and not set(names) & set(TABLES):
-        shown = ", ".join(repr(n.decode("utf-8", "replace")) for n in names[:5]) + (", ..." if len(names) > 5 else "")
-        raise StoreUnavailable(
-            f"{where / 'data.mdb'} is an LMDB database, but not a promptstore store (its keys: {shown}); "
-            "check the --store path"
-        )

@@ -19,6 +19,7 @@ import lmdb
 
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
 from promptstore.store import _lmdbfile
+from promptstore.store._schema import TABLES
 
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
 
@@ -59,6 +60,21 @@ def check_size(env: lmdb.Environment, where: Path) -> None:
         f"{data} is truncated: {have} bytes, but {why}; copy the intact "
         f"entries out with `promptstore salvage {where} NEW_DIR`, or restore the file from a backup"
     )
+
+
+def check_tables(env: lmdb.Environment, where: Path) -> None:
+    """Refuse an LMDB database of something else: a data file whose main
+    table holds names but none of the store's tables. Left alone, a read
+    would fail on a missing table with LMDB's "MDB_NOTFOUND", and a write
+    would add the store's tables to the other program's file."""
+    with env.begin() as txn:
+        names = [bytes(key) for key in txn.cursor().iternext(keys=True, values=False)]
+    if names and not set(names) & set(TABLES):
+        shown = ", ".join(repr(n.decode("utf-8", "replace")) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+        raise StoreUnavailable(
+            f"{where / 'data.mdb'} is an LMDB database, but not a promptstore store (its keys: {shown}); "
+            "check the --store path"
+        )
 
 
 def _disk_full(where: Path) -> Optional[str]:

@@ -17,21 +17,19 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
 from promptstore import rows
-from promptstore._paths import default_path
-from promptstore.codecs import codec_for_layer, encode_layer, is_trimmable, trim_cache
-from promptstore.errors import InvalidInput, PromptStoreError, StoreError
+from promptstore._paths import default_path, store_path
+from promptstore.codecs import encode_layer, is_trimmable
+from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
-from promptstore.remote import Key as RemoteKey
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
 from promptstore.store import _keys
 from promptstore.store._budget import check_budget
 from promptstore.store._capacity import Capacity
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import DEFAULT_MAP_SIZE, Env
+from promptstore.store._fetched import adopt, remote_key
 from promptstore.store._find import Finder
 from promptstore.store._gate import CLOSE_TIMEOUT, closed_error
 from promptstore.store._read import Reader
@@ -93,7 +91,7 @@ class PromptStore:
         check_budget(budget)  # before the store's folder is created
         self._remote: Optional[RemoteTier] = None
         tier = open_remote(remote)  # a bad URL fails before anything is opened
-        self.path = _store_path(path) if path is not None else default_path()
+        self.path = store_path(path) if path is not None else default_path()
         env = Env(self.path, map_size=map_size, readonly=readonly)
         self._env: Optional[Env] = env
         tables = env.db
@@ -247,7 +245,7 @@ class PromptStore:
         name = model_name_of(model)
         done = self._writer.put(model, name, toks, encoded, trimmable, dict(meta or {}))
         if publish and self._remote is not None:  # write-behind: never waits on the network
-            self._remote.publish_later(self._remote_key(model, toks), name, encoded, trimmable, dict(meta or {}), done.created)
+            self._remote.publish_later(remote_key(model, toks), name, encoded, trimmable, dict(meta or {}), done.created)
         return EntryInfo(
             id=done.entry_id,
             model=model,
@@ -343,8 +341,7 @@ class PromptStore:
     def touch(self, model: str, tokens: _keys.Tokens) -> None:
         """Record a use of the entry of exactly ``tokens`` (if stored) for the
         eviction order, reading nothing: for a caller that served it from its
-        own memory, so that the entry it uses most is not evicted first.
-        Written with the next write, or within ``Usage.FLUSH_EVERY`` seconds."""
+        own memory (written within ``Usage.FLUSH_EVERY`` seconds)."""
         toks = _keys.as_tokens(tokens)
         self._usage.touch(_keys.entry_key(_keys.model_id(model), toks))
         self._flush_soon()
@@ -361,7 +358,7 @@ class PromptStore:
         hit = self._reader.again(lambda lost: self._finder.exact(self.env, model, toks))
         self._flush_soon()
         if hit is None and self._remote is not None:
-            found = self._remote.remote.get(self._remote_key(model, toks))
+            found = self._remote.remote.get(remote_key(model, toks))
             fetched = None if found is None else self._remote.remote.fetch(found)
             self._remote.remote.count("misses" if fetched is None else "hits")
             if found is not None and fetched is not None:
@@ -376,7 +373,7 @@ class PromptStore:
         toks = _keys.as_tokens(tokens)
         local = self._finder.peek(self.env, model, toks)
         if self._remote is not None and local < len(toks):
-            found = self._remote.remote.find(self._remote_key(model, toks), local)
+            found = self._remote.remote.find(remote_key(model, toks), local)
             return found.matched if found is not None else local
         return local
 
@@ -403,7 +400,7 @@ class PromptStore:
         hit = self._reader.again(lambda lost: self._finder.longest(self.env, model, toks, lost))
         self._flush_soon()
         if self._remote is not None and (hit is None or hit.matched < len(toks)):
-            got = self._remote.remote.read_through(self._remote_key(model, toks), hit.matched if hit else 0, hit.cache if hit else None)
+            got = self._remote.remote.read_through(remote_key(model, toks), hit.matched if hit else 0, hit.cache if hit else None)
             if got is not None:
                 found, cache = got
                 return self._adopt(model, found.manifest, cache, found.matched) or hit
@@ -411,32 +408,13 @@ class PromptStore:
 
     # -- the remote tier -----------------------------------------------------------
 
-    def _remote_key(self, model: str, toks: np.ndarray) -> RemoteKey:
-        mid = _keys.model_id(model)
-        return RemoteKey(model, mid, _keys.entry_key(mid, toks), toks, _keys.prefix_hashes(toks))
-
     def _adopt(self, model: str, man: Any, cache: List[Any], matched: int) -> Optional[Hit]:
-        """A fetched remote entry, written to this store (not published again)
-        and returned as the Hit of ``matched`` tokens (trimmed to them).
-        None when its layers do not cover the entry's tokens (never used)."""
-        toks = man.tokens
-        n = len(toks)
-        if any(codec_for_layer(layer).coverage(layer) not in (None, n) for layer in cache):
-            if self._remote is not None:
-                self._remote.remote.count("errors.corrupt")
-            return None
-        ekey = _keys.entry_key(_keys.model_id(model), toks)
-        info = EntryInfo(id=_keys.entry_id(ekey), model=model, model_name=man.name, n_tokens=n, kinds=man.kinds,
-                         nbytes=man.nbytes, created=utc(man.created), last_used=utc(man.created),
-                         trimmable=man.trimmable, meta=dict(man.meta))
-        if not self.env.readonly:
-            try:
-                info = self._put(model, toks, cache, dict(man.meta), n, publish=False)
-            except (StoreError, InvalidInput) as err:  # checked cache: serve it, keep nothing (InvalidInput: meta an older writer allowed)
-                log.warning("promptstore: a remote entry was not stored locally: %s", err)
-        if n > matched:
-            trim_cache(cache, n - matched)
-        return Hit(cache, matched, info, n - matched, man.nbytes)
+        """A fetched remote entry, written to this store (see :func:`adopt`)."""
+        def put(model: str, toks: Any, cache: List[Any], meta: Dict[str, Any], n: int) -> EntryInfo:
+            return self._put(model, toks, cache, meta, n, publish=False)
+
+        tier = self._remote.remote if self._remote is not None else None
+        return adopt(model, man, cache, matched, None if self.env.readonly else put, tier)
 
     def load(self, key: str, model: Optional[str] = None) -> Tuple[List[Any], EntryInfo, List[int]]:
         """Restore an entry by id: ``(cache, info, tokens)``.
@@ -480,14 +458,8 @@ class PromptStore:
         Raises:
             InvalidInput: ``keys`` is not a list of ids.
         """
-        try:
-            ids = None if isinstance(keys, (str, bytes)) else list(keys)
-        except TypeError:
-            ids = None
-        if ids is None or not all(isinstance(k, str) for k in ids):
-            raise InvalidInput(f"keys must be a list of entry ids (str), not {type(keys).__name__}")
         with self.env.read() as txn:
-            return self._catalog.own_bytes(txn, ids, lambda ekey: self._reader.manifest(txn, ekey))
+            return self._catalog.own_bytes(txn, keys, lambda ekey: self._reader.manifest(txn, ekey))
 
     def counters(self) -> Dict[str, int]:
         """Hits and misses recorded by every process (after their flush)."""
@@ -544,7 +516,7 @@ class PromptStore:
                 is not a GcReport.
             StoreFull: the pinned entries alone exceed the budget (nothing changes).
         """
-        return self._capacity.set_budget(budget, _check_plan(plan))
+        return self._capacity.set_budget(budget, plan)
 
     def gc(self, budget: Optional[int] = None, dry_run: bool = False, plan: Optional[GcReport] = None) -> GcReport:
         """Evict least-recently-used unpinned entries down to the budget.
@@ -568,7 +540,7 @@ class PromptStore:
             InvalidInput: ``budget`` is not a byte count the store can hold,
                 or ``plan`` is not a GcReport.
         """
-        return self._capacity.gc(budget, dry_run, _check_plan(plan))
+        return self._capacity.gc(budget, dry_run, plan)
 
     def pin(self, key: str) -> None:
         """Pin the entry with id (or unique prefix) ``key``: never evicted.
@@ -623,31 +595,3 @@ class PromptStore:
         """
         return _salvage(self.path, Path(dst))
 
-
-def _check_plan(plan: Optional[GcReport]) -> Optional[GcReport]:
-    """``plan`` when it is a dry run's GcReport (or None).
-
-    Raises:
-        InvalidInput: anything else.
-    """
-    if plan is not None and not isinstance(plan, GcReport):
-        raise InvalidInput(f"plan must be the GcReport of gc(dry_run=True), not {type(plan).__name__}")
-    return plan
-
-
-def _store_path(path: Any) -> Path:
-    """``path`` as the store's folder, checked before anything is created.
-
-    Raises:
-        InvalidInput: not a str or path, or one the file system cannot name
-            (a NUL byte, a name that is not UTF-8).
-    """
-    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
-        raise InvalidInput(f"the store path must be a str or a pathlib.Path, not {type(path).__name__}")
-    try:
-        os.fspath(path).encode("utf-8")  # py-lmdb opens paths by their UTF-8 bytes
-    except UnicodeEncodeError as err:
-        raise InvalidInput(f"the store path {str(path)[:80]!r} is not valid UTF-8 ({err.reason})") from err
-    if "\0" in os.fspath(path):
-        raise InvalidInput("the store path contains a NUL byte")
-    return Path(path).expanduser()
