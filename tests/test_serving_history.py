@@ -63,7 +63,10 @@ class Chat:
         self.cache = None
         self.boundaries = []  # (n_tokens, cache_type) of every checkpoint inserted
 
-    def turn(self, user_len=6, answer_len=5):
+    def turn(self, user_len=6, answer_len=5, resent=None):
+        """One turn. ``resent``: what the client sends the answer back as in
+        the next turn's prompt, when not the tokens generated (text that
+        tokenizes otherwise): a function of the generated tokens."""
         self.turns += 1
         user = sample_tokens(user_len, seed=self.seed * 1000 + 2 * self.turns)
         answer = sample_tokens(answer_len, seed=self.seed * 1000 + 2 * self.turns + 1)
@@ -79,8 +82,8 @@ class Chat:
         feed(self.model, cache, prompt[done:-1])
         self._insert(prompt[:-1], cache, "user")
         feed(self.model, cache, prompt[-1:] + answer)
-        self.tokens = prompt + answer
-        self._insert(self.tokens, cache, "assistant")
+        self._insert(prompt + answer, cache, "assistant")
+        self.tokens = prompt + (resent(answer) if resent is not None else answer)
         self.cache = cache
         return self
 
@@ -152,6 +155,24 @@ def test_a_second_conversation_sharing_the_system_prompt_is_not_pruned_by_the_fi
         pc.flush()
         theirs = [b for b in other.boundaries if b[1] != "system"]
         assert stored(store) == sorted([(len(SYSTEM), "system")] + theirs[-3:] + mine[-3:])
+
+
+def test_answers_a_client_sends_back_otherwise_are_superseded_too(store_path, hybrid):
+    """A client that sends the answer back as text which tokenizes otherwise
+    leaves each turn's answer checkpoint outside the next turn's chain (a
+    reviewer counted 12 entries after 10 turns under `promptstore serve`):
+    the answer is pruned once a later write extends its parent instead."""
+    model, _, fp, path = hybrid
+    with PromptStore(store_path) as store, PersistentPromptCache(store, checkpoints=3) as pc:
+        chat = Chat(pc, model, path)
+        for t in range(8):
+            chat.turn(resent=lambda answer: [(answer[0] + 1) % 500 + 3] + answer[1:])
+            pc.flush()
+            assert len(list(store.entries())) <= 1 + 3 + 1, stored(store)  # + the answer of the turn just written
+        kinds = [k for _, k in stored(store)]
+        assert kinds == ["system", "user", "user", "assistant"], stored(store)
+        users = [b for b in chat.boundaries if b[1] == "user"]
+        assert stored(store) == sorted([(len(SYSTEM), "system"), users[-2], users[-1], chat.boundaries[-1]])
 
 
 def test_trimmable_conversations_are_untouched(store_path, llama):

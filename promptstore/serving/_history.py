@@ -23,6 +23,16 @@ entry that cannot be trimmed, :class:`History` prunes its *chain*:
 Superseded checkpoints of a chain are the ones deleted; a conversation that
 branched off (another chat sharing the system prompt, an edited turn) is a
 chain of its own past the branch point and is pruned only by its own writes.
+
+One branch is superseded too: an answer checkpoint (``cache_type``
+``"assistant"``) whose parent, the governed checkpoint it extends, is in the
+chain of a later write while the answer itself is not. That is what a
+client leaves that sends the answer back as text which tokenizes otherwise
+(a leading space the server dropped, reasoning a template strips), and what
+a regenerated answer leaves: without this, each turn of such a conversation
+kept one more checkpoint for good. Parents are remembered in this process
+only (the latest :data:`_ANSWERS`), so after a restart such an answer stays
+until the byte budget evicts it.
 An entry shared by two chains (e.g. the same first user turn) is deleted
 when it falls out of the latest ``keep`` of either. Pruning never raises:
 failures are logged and counted.
@@ -32,12 +42,13 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any, Callable, List, Optional, Sequence
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from promptstore.errors import InvalidInput, PromptStoreError
-from promptstore.store import EntryInfo, PromptStore
+from promptstore.store import EntryInfo, PromptStore, _keys
 
 __all__ = ["History", "DEFAULT_CHECKPOINTS", "SOURCE", "checkpoint_limit"]
 
@@ -45,6 +56,7 @@ log = logging.getLogger("promptstore")
 
 SOURCE = "promptstore.serving"  # meta["source"] of every entry the serving cache writes
 DEFAULT_CHECKPOINTS = 4  # two turns: a user boundary and an answer each
+_ANSWERS = 4096  # parents remembered, each with the answer checkpoints written after it
 
 
 def checkpoint_limit(value: Any) -> int:
@@ -85,6 +97,8 @@ class History:
         self._on_removed = on_removed
         self.pruned = 0  # entries deleted
         self.failed = 0  # prunes that failed (logged)
+        # (model, parent's length, its prefix hash) -> the answer checkpoints written after it, with their tokens
+        self._answers: "OrderedDict[Tuple[str, int, int], List[Tuple[EntryInfo, np.ndarray]]]" = OrderedDict()
 
     def superseded(self, chain: Sequence[EntryInfo], pinned: Callable[[], Sequence[str]]) -> List[EntryInfo]:
         """The entries of ``chain`` the policy deletes, longest first.
@@ -97,6 +111,33 @@ class History:
             return []
         pins = set(pinned())
         return [e for e in mine if e.id not in pins][self.keep:]
+
+    def _diverged(self, chain: Sequence[EntryInfo], info: EntryInfo,
+                  tokens: np.ndarray) -> Dict[str, Tuple[EntryInfo, np.ndarray]]:
+        """The answer checkpoints (with their tokens) whose parent's tokens
+        begin ``tokens`` but which are not in ``chain``; and remember ``info``
+        under its parent when it is an answer checkpoint extending a governed
+        one. Parents are matched by their tokens' prefix hash, so an answer
+        is found even when its parent entry was pruned since."""
+        hashes = _keys.prefix_hashes(np.asarray(tokens, dtype=np.uint32))
+        ids = {e.id for e in chain}
+        out: Dict[str, Tuple[EntryInfo, np.ndarray]] = {}
+        parents = [k for k in self._answers if k[0] == info.model and k[1] < len(hashes) and int(hashes[k[1]]) == k[2]]
+        for k in parents:
+            for child, toks in self._answers.pop(k):
+                if child.id not in ids and child.id != info.id:  # in the chain, the keep rule governs it
+                    out[child.id] = (child, toks)
+        meta = info.meta if isinstance(info.meta, dict) else {}
+        if governed(info) and meta.get("cache_type") == "assistant":
+            below = [e.n_tokens for e in chain if e.n_tokens < info.n_tokens and governed(e)]
+            if below:
+                n = max(below)
+                k = (info.model, n, int(hashes[n]))
+                self._answers.setdefault(k, []).append((info, np.array(tokens, copy=True)))
+                self._answers.move_to_end(k)
+                while len(self._answers) > _ANSWERS:
+                    self._answers.popitem(last=False)
+        return out
 
     def prune(self, tokens: np.ndarray, info: EntryInfo) -> List[EntryInfo]:
         """Delete what :meth:`superseded` names in the chain of the entry just written.
@@ -112,7 +153,13 @@ class History:
         if not self.keep or info.trimmable:
             return []
         try:
-            victims = self.superseded(self.store.prefixes(info.model, tokens), self.store.pinned)
+            chain = self.store.prefixes(info.model, tokens)
+            victims = self.superseded(chain, self.store.pinned)
+            diverged = self._diverged(chain, info, tokens)
+            if diverged:
+                pins = set(self.store.pinned())
+                planned = {v.id for v in victims}
+                victims += [e for e, _ in diverged.values() if e.id not in pins and e.id not in planned]
             if not victims:
                 return []
             # remove_planned leaves alone an entry replaced (or deleted) since
@@ -121,7 +168,7 @@ class History:
             self.pruned += len(removed)
             if self._on_removed is not None:
                 for e in removed:
-                    self._on_removed(e.model, tokens[: e.n_tokens])
+                    self._on_removed(e.model, diverged[e.id][1] if e.id in diverged else tokens[: e.n_tokens])
         except PromptStoreError as err:
             self.failed += 1
             log.warning("promptstore: could not prune the checkpoints of a %d-token cache: %s", len(tokens), err)
