@@ -32,7 +32,10 @@ client leaves that sends the answer back as text which tokenizes otherwise
 a regenerated answer leaves: without this, each turn of such a conversation
 kept one more checkpoint for good. Parents are remembered in this process
 only (the latest :data:`_ANSWERS`), so after a restart such an answer stays
-until the byte budget evicts it.
+until the byte budget evicts it. Two conversations whose turns share a
+checkpoint (the same first user message) share its answers' parent: a write
+of one prunes the other's answer to it, which costs the other the prefill of
+that answer again, never a wrong restore.
 An entry shared by two chains (e.g. the same first user turn) is deleted
 when it falls out of the latest ``keep`` of either. Pruning never raises:
 failures are logged and counted.
