@@ -135,7 +135,11 @@ def test_sliding_window_draft_server_is_greedy_identical_and_continues_from_the_
     assert counters["pending"] == 0 and counters["errors"] == 0 and counters["write_failed"] == 0
     docs = cli_json(store, "ls")
     assert docs and all("kv.rotating" in d["kinds"] for d in docs)
-    _assert_stored_answers_are_greedy_caches(store, model, draft_dir, got[: len(PROMPTS)])
+    # The second turns' entries: the client sent each first answer back as text that
+    # tokenizes otherwise, so the history pruned the first turns' answer checkpoints.
+    seconds = [_chat(p) + [{"role": "assistant", "content": text(r)}, {"role": "user", "content": "Again?"}]
+               for p, r in zip(PROMPTS, got)]
+    _assert_stored_answers_are_greedy_caches(store, model, draft_dir, list(zip(seconds, got[len(PROMPTS):])))
 
     with Server(store, model, log, *draft) as srv:
         again = turns(srv)  # memory is empty: whatever is cached came from the store
@@ -145,11 +149,11 @@ def test_sliding_window_draft_server_is_greedy_identical_and_continues_from_the_
     assert cli_json(store, "verify")["ok"]
 
 
-def _assert_stored_answers_are_greedy_caches(store, model: str, draft_dir, answers: List[dict]) -> None:
-    """Each prompt + answer entry (stored after the request's last verify
-    round) holds, in the target's and in the draft's layers, what greedy
-    decoding of the same tokens by that model leaves, as the next forward
-    sees it (test_spec_window.py)."""
+def _assert_stored_answers_are_greedy_caches(store, model: str, draft_dir, answers: List[tuple]) -> None:
+    """For each ``(messages, response)``, the prompt + answer entry (stored
+    after the request's last verify round) holds, in the target's and in the
+    draft's layers, what greedy decoding of the same tokens by that model
+    leaves, as the next forward sees it (test_spec_window.py)."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
@@ -159,8 +163,8 @@ def _assert_stored_answers_are_greedy_caches(store, model: str, draft_dir, answe
     target, tokenizer, fp, _ = load_fixture(model)
     draft_model, _ = load(str(draft_dir))
     with PromptStore(store) as ps:
-        for p, r in zip(PROMPTS, answers):
-            prompt = list(tokenizer.apply_chat_template(_chat(p), add_generation_prompt=True))
+        for messages, r in answers:
+            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
             assert len(prompt) == r["usage"]["prompt_tokens"]
             answer = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=r["usage"]["completion_tokens"])]
             layers = ps.get(f"{fp}+draft:{fingerprint(draft_dir)}", prompt + answer)
