@@ -307,10 +307,7 @@ def test_a_lookup_falls_back_to_the_next_entry_when_the_best_is_evicted(tmp_path
 
 
 def _ekey_of(tokens):
-    from promptstore.store import _keys
-
-    mid = _keys.model_id(MODEL)
-    return _keys.entry_key(mid, np.asarray(tokens, dtype=np.uint32))
+    return remote_key(MODEL, np.asarray(tokens, dtype=np.uint32)).ekey
 
 
 def test_a_key_of_another_type_is_a_corrupt_miss_and_the_tier_stays_up(tmp_path, redis_single):

@@ -69,7 +69,7 @@ class Client:
         except RemoteURLError:
             raise
         except Exception as err:
-            raise _unavailable(u, err) from err
+            raise _failure(u, err) from err
 
     def reset(self) -> None:
         """Drop the connection; the next call connects (and discovers) again."""
@@ -99,7 +99,7 @@ class Client:
                 out.extend(pipe.execute(raise_on_error=True))
         except Exception as err:
             self.reset()
-            raise _unavailable(self.url, err) from err
+            raise _failure(self.url, err) from err
         return out
 
     def get(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
@@ -127,7 +127,7 @@ class Client:
             raise RemoteCorrupt(f"remote key {keys[err.index]!r}: {err} (truncated?)") from err
         except Exception as err:
             self.reset()
-            raise _unavailable(self.url, err) from err
+            raise _failure(self.url, err) from err
         found = []
         for key, value, sink in zip(keys, self.get(keys), sinks):
             if value is None:
@@ -166,7 +166,7 @@ class Client:
             yield from conn.scan_iter(match=pattern, count=count)
         except Exception as err:
             self.reset()
-            raise _unavailable(self.url, err) from err
+            raise _failure(self.url, err) from err
 
     def memory(self) -> List[Dict[str, Any]]:
         """``INFO memory`` of the server, or of every master."""
@@ -177,10 +177,10 @@ class Client:
             return [conn.info("memory")]
         except Exception as err:
             self.reset()
-            raise _unavailable(self.url, err) from err
+            raise _failure(self.url, err) from err
 
 
-def _unavailable(url: RemoteURL, err: Exception) -> RemoteError:
+def _failure(url: RemoteURL, err: Exception) -> RemoteError:
     """The error a failed call raises: RemoteCorrupt when the server refused a
     key holding another type than the tier writes there (damage, or another
     program's key: the remote is up, and every other key still serves),
