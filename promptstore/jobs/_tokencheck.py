@@ -39,14 +39,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, cast
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from promptstore.codecs import codec_for_layer
 from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
-from promptstore.jobs.prefill import make_cache, prefill
+from promptstore.jobs.prefill import MAX_TOKEN_ID, make_cache, prefill, vocab_size
 
 __all__ = [
     "TokenCheck",
@@ -72,29 +71,6 @@ QUANTIZED_TOLERANCE = 0.5
 
 #: mlx-lm's flags turn a model's KVCache into these (``--kv-bits``, ``--max-kv-size``).
 KV_SUBSTITUTES: Dict[type, Tuple[type, ...]] = {KVCache: (QuantizedKVCache, RotatingKVCache)}
-
-#: The store keeps token ids as uint32.
-MAX_TOKEN_ID = 2**32 - 1
-# What mlx-lm's models call their token embedding (a model may hold others:
-# gpt2's position embedding ``wpe`` has fewer rows than the vocabulary).
-_TOKEN_EMBEDDINGS = frozenset({"embed_tokens", "wte", "embed_in", "word_embeddings", "tok_embeddings"})
-
-
-# -- token ids ----------------------------------------------------------------------------
-
-
-def vocab_size(model: Any) -> Optional[int]:
-    """The rows of ``model``'s token embedding: the ids it can look up (None:
-    the model holds no embedding layer). A model with embeddings of none of
-    mlx-lm's token-embedding names counts its smallest, which fails closed."""
-    rows = [
-        (name.rsplit(".", 1)[-1], int(m.weight.shape[0]))
-        for name, m in model.named_modules()
-        if type(m) in (nn.Embedding, nn.QuantizedEmbedding)
-    ]
-    found = [n for name, n in rows if name in _TOKEN_EMBEDDINGS] or [n for _, n in rows]
-    return min(found) if found else None
-
 
 def token_ids(
     tokens: Any, model: Any = None, where: str = "tokens", error: Type[PromptStoreError] = InvalidInput

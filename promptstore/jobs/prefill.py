@@ -11,15 +11,25 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 
 from promptstore.errors import InvalidInput
 from promptstore.identity import resolve_model
 
-__all__ = ["CacheOptions", "load_model", "encode_prompt", "prefill", "make_cache", "eval_cache", "quantizer"]
+__all__ = [
+    "CacheOptions", "load_model", "encode_prompt", "prefill", "make_cache", "eval_cache", "quantizer",
+    "vocab_size", "check_ids", "id_error", "MAX_TOKEN_ID",
+]
 
 PREFILL_STEP = 2048
 QUANTIZED_KV_START = 5000  # mlx_lm.generate's default
 Progress = Callable[[int, int, float], None]  # (done, total, seconds so far)
+#: The store keeps token ids as uint32.
+MAX_TOKEN_ID = 2**32 - 1
+# What mlx-lm's models call their token embedding (a model may hold others:
+# gpt2's position embedding ``wpe`` has fewer rows than the vocabulary).
+_TOKEN_EMBEDDINGS = frozenset({"embed_tokens", "wte", "embed_in", "word_embeddings", "tok_embeddings"})
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,54 @@ def quantizer(options: Optional[CacheOptions]) -> Optional[Callable[[List[Any]],
     return quantize
 
 
+def vocab_size(model: Any) -> Optional[int]:
+    """The rows of ``model``'s token embedding: the ids it can look up (None:
+    the model holds no embedding layer). A model with embeddings of none of
+    mlx-lm's token-embedding names counts its smallest, which fails closed."""
+    rows = [
+        (name.rsplit(".", 1)[-1], int(m.weight.shape[0]))
+        for name, m in model.named_modules()
+        if type(m) in (nn.Embedding, nn.QuantizedEmbedding)
+    ]
+    found = [n for name, n in rows if name in _TOKEN_EMBEDDINGS] or [n for _, n in rows]
+    return min(found) if found else None
+
+
+def id_error(tokens: Sequence[int], vocab: Optional[int]) -> Optional[str]:
+    """Why ``tokens`` cannot go through an embedding of ``vocab`` rows, or
+    None when they can (or ``vocab`` is None: unknown)."""
+    if vocab is None or len(tokens) == 0:
+        return None
+    ids = np.asarray(tokens)
+    if ids.dtype.kind not in "iu":
+        return f"token ids must be ints, not {ids.dtype}"
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if not bad.size:
+        return None
+    i = int(bad[0])
+    return (
+        f"token id {int(ids[i])} at position {i} is outside the model's vocabulary of {vocab} ids "
+        f"(0 to {vocab - 1}): the tokenizer and the model's embedding disagree"
+    )
+
+
+def check_ids(model: Any, tokens: Sequence[int]) -> None:
+    """Refuse token ids ``model``'s embedding cannot look up, before any reaches mlx.
+
+    mlx does not bounds-check an embedding lookup: an id past the rows reads
+    other memory (a cache computed from garbage, or a segfault). A tokenizer
+    can hand out such ids when its added tokens go past the model's
+    ``vocab_size`` (``jobs._tokencheck.token_ids`` checks ids a caller or a
+    file gives, one by one, with their types).
+
+    Raises:
+        InvalidInput: an id outside ``[0, vocabulary)``.
+    """
+    wrong = id_error(tokens, vocab_size(model))
+    if wrong is not None:
+        raise InvalidInput(wrong)
+
+
 def prefill(
     model: Any,
     tokens: Sequence[int],
@@ -201,7 +259,11 @@ def prefill(
     reaches ``len(tokens)`` at the end.
 
     Returns the cache, which then covers exactly ``len(tokens)`` more tokens.
+
+    Raises:
+        InvalidInput: an id the model's embedding cannot look up (:func:`check_ids`).
     """
+    check_ids(model, tokens)
     if cache is None:
         cache = make_cache(model, options)
     if step is None:

@@ -46,7 +46,9 @@ from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.format._entry import check_meta
 from promptstore.identity import fingerprint
-from promptstore.jobs.prefill import PREFILL_STEP, CacheOptions, encode_prompt, eval_cache, load_model, make_cache, quantizer
+from promptstore.jobs.prefill import (
+    PREFILL_STEP, CacheOptions, encode_prompt, eval_cache, id_error, load_model, make_cache, quantizer, vocab_size,
+)
 from promptstore.rows import extract_row
 
 __all__ = [
@@ -339,12 +341,14 @@ class _Job:
 
 @dataclass(frozen=True)
 class _Templating:
-    """How prompts become tokens: as ``promptstore put`` templates them, and
-    the longest prompt allowed (None: any)."""
+    """How prompts become tokens: as ``promptstore put`` templates them, the
+    longest prompt allowed (None: any) and the model's vocabulary (the rows
+    of its embedding; None: unknown)."""
 
     chat_template: bool
     system_prompt: Optional[str]
     max_tokens: Optional[int]
+    vocab: Optional[int] = None
 
 
 def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, how: _Templating, checkpoints: bool, every: int, errors: List[LineError]):
@@ -365,6 +369,10 @@ def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, how
             continue
         if not tokens:
             errors.append(LineError(rec.line, rec.id, "the prompt encodes to no tokens"))
+            continue
+        wrong = id_error(tokens, how.vocab)  # the batched prefill below runs the model without prefill()'s check
+        if wrong is not None:
+            errors.append(LineError(rec.line, rec.id, wrong))
             continue
         if how.max_tokens is not None and len(tokens) > how.max_tokens:
             errors.append(LineError(
@@ -476,7 +484,7 @@ def warmup(
     options = options if options is not None else CacheOptions(step=step)
     if checkpoints is None:
         checkpoints = needs_checkpoints(model, options=options)
-    how = _Templating(chat_template, system_prompt, max_tokens)
+    how = _Templating(chat_template, system_prompt, max_tokens, vocab_size(model))
     plans, skipped = _plan(records, tokenizer, store, model_id, how, checkpoints, checkpoint_every, errors)
     batched = batch_size > 1 and _batchable(model, options)
     note = None
