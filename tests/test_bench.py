@@ -511,3 +511,19 @@ def test_restore_targets_alone_take_a_restore_mode(monkeypatch):
     row = _restore.measure(64, "auto", mode="ahead")
     assert row["mode"] == "ahead" and seen == [{"PROMPTSTORE_RESTORE": "ahead"}, "ahead"]
     assert os.environ["PROMPTSTORE_RESTORE"] == "direct"
+
+
+def test_chat_on_other_widths_reports_one_line_per_shape(capsys):
+    """``python -m promptstore.bench._chatshapes``: the full chat on named
+    shapes; what LMDB writes per put is about fixed, so the ratio falls as
+    the KV per token grows."""
+    from promptstore.bench import _chatshapes
+
+    _chatshapes.main(["dense", "qwen2.5-0.5b"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["shape"] for r in rows] == ["dense", "qwen2.5-0.5b"]
+    assert [r["kv_per_token"] for r in rows] == [1024, 12 * 1024]
+    assert all(r["bit_exact"] and r["stored_vs_unique"] <= 1.10 for r in rows)
+    assert rows[1]["lmdb_median"] < rows[0]["lmdb_median"] / 2
+    with pytest.raises(SystemExit, match="unknown shape"):
+        _chatshapes.main(["nope"])

@@ -45,7 +45,7 @@ from promptstore.format._blocks import BLOCK_TOKENS
 from promptstore.serving import PersistentPromptCache
 from promptstore.store import PromptStore
 
-__all__ = ["Chat", "serve_chat", "stored_bytes"]
+__all__ = ["Chat", "serve_chat", "stored_bytes", "FULL_CHAT"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ class Chat:
     def per_turn(self) -> int:
         """New tokens of each turn (the first adds the system prompt too)."""
         return self.user + self.tail + self.answer
+
+
+#: The full bench's chat (``_run.FULL``).
+FULL_CHAT = Chat(turns=20, system=1024, user=250, tail=6, answer=256)
 
 
 def stored_bytes(store: PromptStore) -> Dict[str, int]:
@@ -178,3 +182,4 @@ def serve_chat(workdir: Path, shape: data.Shape, chat: Chat, block_tokens: int =
         "bit_exact": exact,
         "chat": asdict(chat),
     }
+

@@ -63,6 +63,9 @@ VOCAB = 150_000  # token ids drawn from [3, VOCAB)
 QWEN3_NEXT_80B = Shape()
 QUICK = Shape(ssm_layers=3, attn_layers=1)
 DENSE = Shape(ssm_layers=0, attn_layers=2, kv_heads=2, head_dim=64)  # fixtures/models/llama: 1 KiB per token
+# Dense caches of real models' widths, for the chat's written bytes at their sizes (``_chat``'s command line).
+QWEN25_05B = Shape(ssm_layers=0, attn_layers=24, kv_heads=2, head_dim=64)  # Qwen2.5-0.5B: 12 KiB per token
+LLAMA3_8B = Shape(ssm_layers=0, attn_layers=32, kv_heads=8, head_dim=128)  # Llama-3-8B: 128 KiB per token
 
 
 def math_prod(xs: Sequence[int]) -> int:

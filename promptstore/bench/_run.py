@@ -47,7 +47,7 @@ from promptstore.bench import _sharing as sharing
 from promptstore.bench._fixture import HYBRID, fixture_model
 from promptstore.bench._draft import draft_cases
 from promptstore.bench._remote import remote_cases, remote_ttft
-from promptstore.bench._chat import Chat, serve_chat
+from promptstore.bench._chat import FULL_CHAT, Chat, serve_chat
 from promptstore.format import _blank
 
 __all__ = ["Plan", "FULL", "QUICK", "CASES", "run", "targets", "gbps"]
@@ -89,7 +89,7 @@ class Plan:
 
 FULL = Plan(
     data.QWEN3_NEXT_80B, (4096, 32768), (15, 5), (100, 1000, 10000), 50, (1000, 100_000), (256, 512, 1024, 2048), 3, 4096,
-    chat=Chat(turns=20, system=1024, user=250, tail=6, answer=256),
+    chat=FULL_CHAT,
     shared=(100, 8100),  # not a multiple of any block size compared: whole conversations pay a partial block
     prefix=(32768, 4000),  # not a multiple of the block size: the partial block is paid
     block_sizes=(16, 64, 256, 512, 1024),
