@@ -236,3 +236,21 @@ def test_salvage_copies_entries_whose_blocks_are_in_packs(tmp_path):
         assert same(out.get(MODEL, t1), c1) and same(out.get(MODEL, t2), c2)
         assert packs(out) and out.verify().ok
         audit_blocks(out), audit_packs(out)
+
+
+def test_salvage_of_a_damaged_entry_does_not_bring_back_deleted_ones(tmp_path):
+    """One unreadable entry makes salvage scan the data file's bytes for it;
+    manifests of entries deleted before, left in freed pages, stay deleted."""
+    with PromptStore(tmp_path / "s") as store:
+        kept = [chat(300, seed) for seed in (1, 2)]
+        gone = [chat(300, seed) for seed in (3, 4, 5)]
+        infos = [store.put(MODEL, t, c) for t, c in kept + gone]
+        for info in infos[2:]:
+            store.remove(info.id)
+        flip_block(store, blocks_of(store, infos[1].id)[0])
+    rep = salvage(tmp_path / "s", tmp_path / "out")
+    assert rep.copied == (infos[0].id,) and [e for e, _ in rep.skipped] == [infos[1].id]
+    assert not rep.scanned
+    with PromptStore(tmp_path / "out") as out:
+        assert [e.id for e in out.entries()] == [infos[0].id]
+        assert same(out.get(MODEL, kept[0][0]), kept[0][1]) and out.verify().ok

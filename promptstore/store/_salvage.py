@@ -207,7 +207,12 @@ def salvage(src, dst) -> SalvageReport:
                     copied.append(eid)
             if env is None or broken or skipped:
                 done = set(copied)
-                for ekey, eid, outcome in _raw_pass(src, scratch, done):
+                # With the tables walked whole, the scan looks only for the
+                # entries they name that could not be read: a manifest left
+                # in freed pages is an entry deleted before, not one to
+                # bring back. Past a broken tree every manifest found counts.
+                only = {e for e, _ in skipped} if env is not None and not broken else None
+                for ekey, eid, outcome in _raw_pass(src, scratch, done, only):
                     if isinstance(outcome, str):
                         if eid not in {e for e, _ in skipped}:
                             skipped.append((eid, outcome))
@@ -229,10 +234,11 @@ def salvage(src, dst) -> SalvageReport:
     return SalvageReport(str(src), str(dst), tuple(copied), tuple(skipped), tuple(broken), tuple(raw_found))
 
 
-def _raw_pass(src: Path, scratch: Path, done: Set[str]) -> Iterator[Tuple[bytes, str, Any]]:
+def _raw_pass(src: Path, scratch: Path, done: Set[str], only: Optional[Set[str]] = None) -> Iterator[Tuple[bytes, str, Any]]:
     """Entries found by scanning the data file's bytes (``_rawscan``) that
-    are not in ``done``: ``(entry key, id, Found)`` when every part was found
-    and checks, else ``(entry key, id, why not)``."""
+    are not in ``done`` (and are in ``only``, unless it is None): ``(entry
+    key, id, Found)`` when every part was found and checks, else ``(entry
+    key, id, why not)``."""
     where = f"{src} (scanned)"
     data = _rawscan.DataFile(live_dir(src)[0] / "data.mdb")
     try:
@@ -240,7 +246,7 @@ def _raw_pass(src: Path, scratch: Path, done: Set[str]) -> Iterator[Tuple[bytes,
         src_packs = _packs.Packs(src)
         for ekey, found in data.manifests(where).items():
             eid = _keys.entry_id(ekey)
-            if eid in done:
+            if eid in done or (only is not None and eid not in only):
                 continue
             why = _rawscan.complete(found, data, in_packs, src_packs, where)
             if why is None:
