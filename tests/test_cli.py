@@ -302,10 +302,20 @@ def test_export_writes_an_mlx_lm_file_that_imports_back(cli, tmp_path):
         a = [v for _, v in tree_flatten(mine.state) if isinstance(v, mx.array)]
         b = [v for _, v in tree_flatten(theirs.state) if isinstance(v, mx.array)]
         assert len(a) == len(b) and all(x.dtype == y.dtype and bits_equal(x, y).item() for x, y in zip(a, b))
+    # Imported over the entry it came from: the same representation (ssm.gated_delta, as put
+    # stores it), so the import replaces it instead of being refused as a change of kinds.
+    again = js(cli("import", "--model", QNEXT, str(out), "--json"))
+    assert again["id"] == entry["id"] and again["kinds"] == entry["kinds"] and "ssm.gated_delta" in again["kinds"]
     cli("rm", entry["id"], "--yes")
     back = js(cli("import", "--model", QNEXT, str(out), "--json"))  # tokens recorded: no prompt needed
-    assert back["id"] == entry["id"] and back["tokens"] == entry["tokens"]
+    assert back["id"] == entry["id"] and back["tokens"] == entry["tokens"] and back["kinds"] == entry["kinds"]
     assert js(cli("get", "--model", QNEXT, "--prompt", PROMPT, "--json"))["matched"] == entry["tokens"]
+    with PromptStore(cli.store_dir) as s:
+        restored, _, _ = s.load(entry["id"])
+    for mine, theirs in zip(stored, restored):
+        a = [v for _, v in tree_flatten(mine.state) if isinstance(v, mx.array)]
+        b = [v for _, v in tree_flatten(theirs.state) if isinstance(v, mx.array)]
+        assert len(a) == len(b) and all(x.dtype == y.dtype and bits_equal(x, y).item() for x, y in zip(a, b))
 
 
 def test_export_requires_model_and_checks_it(cli, tmp_path):

@@ -37,6 +37,7 @@ from promptstore.errors import (
 )
 from promptstore.jobs._tokencheck import KV_SUBSTITUTES, TokenCheck, check_cache_tokens, kv_shape, token_ids
 from promptstore.jobs.prefill import make_cache
+from promptstore.ssm import gated_delta_layers, to_ssm
 
 __all__ = [
     "MlxCacheFile",
@@ -390,4 +391,7 @@ def import_mlx_cache_file(
     kept = {k: v for k, v in f.metadata.items() if k not in (TOKENS_KEY, MODEL_KEY)}
     if kept and _strings(kept):
         file_meta[FILE_META_KEY] = kept
-    return store.put(fingerprint, tokens, f.cache, meta=file_meta)
+    cache = f.cache
+    if model is not None:  # gated-DeltaNet layers are stored as ssm.gated_delta on every path (README)
+        cache = to_ssm(cache, len(tokens), gated_delta_layers(model))
+    return store.put(fingerprint, tokens, cache, meta=file_meta)
