@@ -375,3 +375,43 @@ def test_an_executed_plan_reports_the_shared_blocks_it_freed(tmp_path, plan_evic
         rest = store.set_budget(None, plan=replace(plan, evicted=plan.evicted[half:]))
         assert rest.freed == middle - store.usage()
         assert first.freed + rest.freed == plan.freed and store.usage() == plan.usage == true_usage(store)
+
+
+def _kv(n: int, seed: int, layers: int, heads: int, dim: int):
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for i in range(layers):
+        rng = np.random.default_rng([seed, i])
+        kv = KVCache()
+        kv.update_and_fetch(*(mx.array(rng.standard_normal((1, heads, n, dim)).astype(np.float16)) for _ in "kv"))
+        out.append(kv)
+    return out
+
+
+@pytest.mark.parametrize("shared_blocks", [False, True], ids=["payload", "shared-blocks"])
+def test_a_put_over_a_pinned_entry_cannot_take_pins_past_the_budget(tmp_path, shared_blocks):
+    """A put that replaces a pinned entry keeps the pin; when the new bytes
+    would make the pinned entries take more than the budget it is refused
+    (StoreFull) and the pinned entry stays as it was, as pin() refuses."""
+    with PromptStore(tmp_path / "s", shared_blocks=shared_blocks) as store:
+        other = store.put(MODEL, list(range(200, 300)), _kv(100, 0, layers=4, heads=4, dim=64))  # 410 KB
+        tokens = list(range(3, 103))
+        info = store.put(MODEL, tokens, _kv(100, 1, layers=4, heads=2, dim=64))  # 205 KB
+        store.pin(other.id)
+        store.pin(info.id)
+        store.set_budget(1_500_000)
+        grown = _kv(100, 2, layers=4, heads=8, dim=64)  # 819 KB: both pins still fit
+        assert store.put(MODEL, tokens, grown).id == info.id and set(store.pinned()) == {info.id, other.id}
+        assert store.usage() <= 1_500_000
+        bigger = _kv(100, 3, layers=4, heads=12, dim=64)  # 1.23 MB: fits alone, not beside the other pin
+        with pytest.raises(StoreFull, match="pinned entries would then take"):
+            store.put(MODEL, tokens, bigger)
+        assert same_cache(store.get(MODEL, tokens), grown) and set(store.pinned()) == {info.id, other.id}
+        assert store.usage() == true_usage(store) <= 1_500_000
+        report = store.verify()
+        assert report.ok, report
+        if shared_blocks:
+            audit_blocks(store)

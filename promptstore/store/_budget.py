@@ -74,14 +74,16 @@ def is_pinned(txn, db: Tables, ekey: bytes) -> bool:
     return txn.get(ekey, db=db.pins) is not None
 
 
-def pinned_bytes(txn, db: Tables, also: bytes = b"") -> int:
+def pinned_bytes(txn, db: Tables, also: bytes = b"", also_blocks: Optional[Dict[bytes, int]] = None) -> int:
     """Bytes the pinned entries (and ``also``, an entry about to be pinned)
-    hold: their own sizes plus every shared block they reference, once."""
+    hold: their own sizes plus every shared block they reference, once.
+    ``also_blocks``: the blocks ``also`` references (address -> bytes) when
+    its manifest is not written yet."""
     keys = {bytes(k) for k in txn.cursor(db=db.pins).iternext(keys=True, values=False)}
     if also:
         keys.add(also)
     total = 0
-    blocks: Dict[bytes, int] = {}
+    blocks: Dict[bytes, int] = dict(also_blocks or {})
     for k in keys:
         total += size_of(txn, db, k)
         raw = txn.get(k, db=db.entries)
@@ -150,14 +152,18 @@ def account(txn, db: Tables, ekey: bytes, size: int) -> None:
 
 
 def admit(
-    txn, db: Tables, ekey: bytes, size: int, unlink: Unlink, where: str, freed: Optional[Freed] = None, footprint: int = 0
+    txn, db: Tables, ekey: bytes, size: int, unlink: Unlink, where: str, freed: Optional[Freed] = None, footprint: int = 0,
+    pinned: Optional[Dict[bytes, int]] = None,
 ) -> List[bytes]:
     """Account a new entry of ``size`` bytes of its own and evict LRU entries
     until usage fits the budget. ``footprint``: what the entry needs stored
-    alone, its shared blocks included.
+    alone, its shared blocks included. ``pinned``: the entry stays pinned (it
+    replaces a pinned one), with these shared blocks (address -> bytes).
 
     Raises:
-        StoreFull: the entry alone is larger than the budget (nothing is written).
+        StoreFull: the entry alone is larger than the budget, or, pinned, it
+            would make the pinned entries take more than the budget (nothing
+            is written).
     """
     budget = get_budget(txn, db)
     need = max(size, footprint)
@@ -169,6 +175,13 @@ def admit(
     account(txn, db, ekey, size)
     if budget is None:
         return []
+    if pinned is not None:
+        total = pinned_bytes(txn, db, also=ekey, also_blocks=pinned)
+        if total > budget:
+            raise StoreFull(
+                f"{where}: this put replaces a pinned entry, and pinned entries would then take {total} bytes, "
+                f"more than the budget of {budget}; unpin it first or raise the budget (`promptstore gc --budget BYTES`)"
+            )
     return evict(txn, db, budget, {ekey}, unlink, freed)
 
 

@@ -118,8 +118,10 @@ class EntryWriter:
         self._usage.flush_in(txn)
         nbytes = size if size is not None else len(manifest)
         if evict:
-            footprint = nbytes + sum({key: size for key, _, size in blocks}.values())
-            _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path), self.freed_by(txn), footprint)
+            named = {key: size for key, _, size in blocks}
+            footprint = nbytes + sum(named.values())
+            kept_pin = named if pinned or _budget.is_pinned(txn, db, ekey) else None
+            _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path), self.freed_by(txn), footprint, kept_pin)
         else:
             _budget.account(txn, db, ekey, nbytes)
         if pinned:
