@@ -415,3 +415,20 @@ def test_a_put_over_a_pinned_entry_cannot_take_pins_past_the_budget(tmp_path, sh
         assert report.ok, report
         if shared_blocks:
             audit_blocks(store)
+
+
+def test_file_size_follows_a_compaction_by_another_process(tmp_path):
+    """``file_size`` reads the live generation's data file, not the one this
+    process last used: another process's ``compact`` moved it (it raised
+    FileNotFoundError)."""
+    with PromptStore(tmp_path / "s") as store:
+        tokens, cache = make_entry(43, 5, big_every=1)
+        store.put(MODEL, tokens, cache)
+        store.file_size()
+        exe = Path(sys.executable).parent / "promptstore"
+        proc = subprocess.run([str(exe), "--store", str(tmp_path / "s"), "compact"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / "s" / "gen-1" / "data.mdb").exists() and not (tmp_path / "s" / "data.mdb").exists()
+        live = (tmp_path / "s" / "gen-1" / "data.mdb").stat().st_size
+        assert store.file_size() == live + sum(p.stat().st_size for p in (tmp_path / "s").rglob("*") if p.suffix in (".pack", ".blob"))
+        assert same_cache(store.get(MODEL, tokens), cache)

@@ -45,6 +45,7 @@ import lmdb
 from promptstore.format import _pages
 from promptstore.store._faults import check_size, check_tables, translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
+from promptstore.store._lmdbfile import CURRENT, live_dir
 from promptstore.store._schema import (
     DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
 )
@@ -56,23 +57,6 @@ T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; grows on demand
 MAX_MAP_SIZE = 1 << 46
-CURRENT = "CURRENT"
-
-
-def live_dir(path: Path) -> Tuple[Path, str]:
-    """The directory of the live generation and its name ("." for generation 0)."""
-    try:
-        name = (path / CURRENT).read_text().strip()
-    except FileNotFoundError:
-        return path, "."
-    except OSError as err:
-        raise StoreUnavailable(f"{path}: cannot read {CURRENT} ({err}); check permissions") from err
-    if name != "." and not (name.startswith("gen-") and name[4:].isdigit()):
-        raise StoreUnavailable(
-            f"{path}/{CURRENT} names {name!r}, not a generation; restore it (e.g. `echo gen-1 > {CURRENT}` "
-            "naming the newest gen-N directory) or salvage with `promptstore salvage`"
-        )
-    return (path if name == "." else path / name), name
 
 
 def _signature(path: Path):

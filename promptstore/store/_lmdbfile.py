@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import List, Optional, Set
+import time
+from pathlib import Path
+from typing import List, Optional, Set, Tuple
+
+from promptstore.errors import StoreUnavailable
 
 _HEADER = 16  # pgno u64, pad u16, flags u16, lower/upper u16 (or overflow page count u32)
 _P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_LEAF2 = 0x01, 0x02, 0x04, 0x20
@@ -121,3 +125,37 @@ def pages_in_use(path: os.PathLike, psize: int, txnid: int) -> Optional[int]:
         return highest + 1
     finally:
         os.close(fd)
+
+
+CURRENT = "CURRENT"  # names the live generation's directory (``Env``, compaction)
+
+
+def live_dir(path: Path) -> Tuple[Path, str]:
+    """The directory of the live generation and its name ("." for generation 0)."""
+    try:
+        name = (path / CURRENT).read_text().strip()
+    except FileNotFoundError:
+        return path, "."
+    except OSError as err:
+        raise StoreUnavailable(f"{path}: cannot read {CURRENT} ({err}); check permissions") from err
+    if name != "." and not (name.startswith("gen-") and name[4:].isdigit()):
+        raise StoreUnavailable(
+            f"{path}/{CURRENT} names {name!r}, not a generation; restore it (e.g. `echo gen-1 > {CURRENT}` "
+            "naming the newest gen-N directory) or salvage with `promptstore salvage`"
+        )
+    return (path if name == "." else path / name), name
+
+
+def live_data_size(store: Path) -> int:
+    """Bytes of the live generation's ``data.mdb`` of the store at ``store``,
+    followed through ``CURRENT`` (another process's compaction moves it).
+
+    Raises:
+        StoreUnavailable: it is not found, time after time.
+    """
+    for _ in range(8):
+        try:
+            return (live_dir(store)[0] / "data.mdb").stat().st_size
+        except FileNotFoundError:  # CURRENT read just before a compaction moved on
+            time.sleep(0.01)
+    raise StoreUnavailable(f"{store}: the live generation's data file is not found; another process may be compacting the store")

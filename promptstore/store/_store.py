@@ -29,6 +29,7 @@ from promptstore.store._budget import check_budget
 from promptstore.store._capacity import Capacity
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import DEFAULT_MAP_SIZE, Env
+from promptstore.store._lmdbfile import live_data_size
 from promptstore.store._fetched import adopt, remote_key
 from promptstore.store._find import Finder
 from promptstore.store._gate import CLOSE_TIMEOUT, closed_error
@@ -470,8 +471,10 @@ class PromptStore:
     def file_size(self) -> int:
         """Bytes the store's files take: the LMDB data file (it never shrinks
         by itself), the blob files of large entries and the pack files of
-        shared blocks."""
-        return (self.env.dir / "data.mdb").stat().st_size + self._blobs.nbytes() + self._packs.nbytes()
+        shared blocks. The data file is the live generation's, which
+        another process's compaction may have moved (``StoreUnavailable``
+        when it is never found)."""
+        return live_data_size(self.path) + self._blobs.nbytes() + self._packs.nbytes()
 
     def verify(self, fix: bool = False) -> VerifyReport:
         """Check every manifest and checksum; with ``fix``, delete what is broken.
