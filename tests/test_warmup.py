@@ -286,3 +286,21 @@ def test_sigkill_half_way_then_resume(warmed, tmp_path):
         assert len(list(st.entries())) == expected
     resumed = _dump(path)
     assert resumed == _dump(ref_path)
+
+
+@pytest.mark.parametrize("batch_size", [8, 1])
+def test_a_budget_stops_the_job_before_it_evicts_what_it_warmed(tmp_path, batch_size):
+    """With a byte budget the job stops before the entry that would take its
+    bytes past it: it used to write the whole batch, evict its own first
+    entries, and still count them as stored."""
+    model, tok, _, mdir = load_fixture("qwen3_next")
+    with PromptStore(tmp_path / "s") as st:
+        st.set_budget(200_000)
+        summary = warmup(st, mdir, PROMPTS, batch_size=batch_size, checkpoint_every=0, loaded=(model, tok))
+        entries = list(st.entries())
+        assert summary.stopped and "budget" in summary.stopped
+        assert 0 < summary.stored < 20 and summary.bytes <= 200_000
+        assert len(entries) == summary.stored + summary.checkpoints  # nothing it wrote was evicted
+        assert sum(e.nbytes for e in entries) == summary.bytes and st.usage() <= 200_000
+        again = warmup(st, mdir, PROMPTS, batch_size=batch_size, checkpoint_every=0, loaded=(model, tok))
+        assert again.skipped == summary.stored  # what it stored is still there for a resumed job

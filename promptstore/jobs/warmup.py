@@ -251,6 +251,16 @@ def _same_entry(a: List[Any], b: List[Any]) -> bool:
     return True
 
 
+class _BudgetReached(Exception):
+    """The next entry would take the job's bytes past the store's budget."""
+
+    def __init__(self, written: int, need: int, budget: int):
+        super().__init__(
+            f"the job wrote {written} bytes and the next entry needs {need} more, past the store's byte budget of "
+            f"{budget}; run it again after `promptstore gc`, or raise the budget"
+        )
+
+
 class _Job:
     def __init__(self, store, model, model_id: str, batch_size: int, options: CacheOptions, progress: Optional[Progress], total: int):
         self.store = store
@@ -277,6 +287,12 @@ class _Job:
             self.progress(self.done, self.total, self.tokens, time.perf_counter() - self.start)
 
     def put(self, tokens: List[int], cache: List[Any], meta: Dict[str, Any], final: bool) -> None:
+        budget = self._budget()
+        if budget is not None:
+            # The entry's array bytes (lazy slices: nothing is copied to count them).
+            need = sum(a.nbytes for e in map(encode_layer, cache) for a in e.arrays.values())
+            if self.bytes + need > budget:
+                raise _BudgetReached(self.bytes, need, budget)
         info = self.store.put(self.model_id, tokens, cache, meta=meta)
         self.bytes += info.nbytes
         if final:
@@ -284,11 +300,15 @@ class _Job:
         else:
             self.checkpoints += 1
 
+    def _budget(self) -> Optional[int]:
+        budget = self.budget() if callable(self.budget) else self.budget
+        return budget if isinstance(budget, int) and budget > 0 else None
+
     def over_budget(self) -> bool:
         # Past its budget the store evicts by last use: the job would evict
         # the entries it has just warmed. Stop instead.
-        budget = self.budget() if callable(self.budget) else self.budget
-        return isinstance(budget, int) and budget > 0 and self.bytes >= budget
+        budget = self._budget()
+        return budget is not None and self.bytes >= budget
 
     def run(self, plans: List[_Plan], batched: bool, sink: Optional[List] = None) -> None:
         """Prefill ``plans`` as one batch (or serially when one), storing each
@@ -517,6 +537,9 @@ def warmup(
                 job._tick(prompts=len(group))
         except StoreFull as err:
             stopped = f"store full: {err}"
+            break
+        except _BudgetReached as err:  # past it, the store would evict what the job just warmed
+            stopped = str(err)
             break
         except PromptStoreError as err:
             for p in group:
