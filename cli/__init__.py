@@ -9,7 +9,7 @@ import importlib
 
 import click
 
-from promptstore.cli._common import Ctx, Group
+from promptstore.cli._common import Ctx, Group, nonempty_store
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,6 +19,7 @@ from promptstore.cli._common import Ctx, Group
     envvar="PROMPTSTORE_DIR",
     type=click.Path(file_okay=False),
     default=None,
+    callback=nonempty_store,
     help="Store directory [env PROMPTSTORE_DIR; default ~/.cache/promptstore].",
 )
 @click.option(

@@ -136,7 +136,17 @@ def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout (raw integers, ISO-8601 UTC).")(fn)
 
 
-def _store_here(ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> Optional[str]:
+def nonempty_store(_ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    """Refuse ``--store ""`` (an unset shell variable, say): it named the
+    current directory to a command that writes and the default store to
+    one that reads."""
+    if value == "":
+        raise click.BadParameter("the store directory is empty; name one, or leave --store out for the default store")
+    return value
+
+
+def _store_here(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    value = nonempty_store(ctx, param, value)
     obj = ctx.find_object(Ctx)
     if value is not None and obj is not None:
         obj.store_path = value  # the store opens lazily, in the command's body: nothing is open yet

@@ -41,8 +41,8 @@ def store_path(path: Any) -> Path:
     """``path`` as a store's folder, checked before anything is created.
 
     Raises:
-        InvalidInput: not a str or path, or one the file system cannot name
-            (a NUL byte, a name that is not UTF-8).
+        InvalidInput: not a str or path, empty, or one the file system
+            cannot name (a NUL byte, a name that is not UTF-8).
     """
     if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
         raise InvalidInput(f"the store path must be a str or a pathlib.Path, not {type(path).__name__}")
@@ -52,4 +52,6 @@ def store_path(path: Any) -> Path:
         raise InvalidInput(f"the store path {str(path)[:80]!r} is not valid UTF-8 ({err.reason})") from err
     if "\0" in os.fspath(path):
         raise InvalidInput("the store path contains a NUL byte")
+    if os.fspath(path) == "":
+        raise InvalidInput("the store path is empty; name a folder (\".\" for the current one)")
     return Path(path).expanduser()

@@ -246,3 +246,11 @@ def test_warmup_line_whose_id_is_not_utf8_is_a_line_error(tmp_path):
     records, errors = read_prompts(f)
     assert [r.id for r in records] == [1, 3]
     assert [e.line for e in errors] == [2] and "UTF-8" in errors[0].reason
+
+
+def test_an_empty_store_path_is_invalid_input(tmp_path, monkeypatch):
+    """``PromptStore("")`` opened the current directory as a store."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInput, match="store path is empty"):
+        PromptStore("")
+    assert list(tmp_path.iterdir()) == []

@@ -142,3 +142,19 @@ def test_kv_bits_on_a_sliding_window_model_is_invalid_input(cli, stored):
                  "--quantized-kv-start", "0", "--json", code=1))
     assert out["error"] == "InvalidInput" and "--kv-bits" in out["message"], out
     assert _listing(cli) == before
+
+
+@pytest.mark.parametrize("where", ["group", "command"])
+def test_an_empty_store_is_a_usage_error_for_every_command(tmp_path, monkeypatch, where):
+    """``--store ""`` (an unset shell variable) made ``put`` write a store into
+    the current directory while ``ls``/``get``/``stats`` read the default one."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROMPTSTORE_DIR", str(tmp_path / "default"))
+    runner = CliRunner()
+    for args in (["put", "--model", LLAMA, "--prompt", "hi"], ["ls"], ["stats"], ["get", "--model", LLAMA, "--prompt", "hi"]):
+        argv = ["--store", "", *args, "--json"] if where == "group" else [*args, "--store", "", "--json"]
+        result = runner.invoke(main, argv)
+        assert result.exit_code == 2, (args, result.output)
+        err = json.loads(result.stdout)
+        assert err["error"] == "UsageError" and "store directory is empty" in err["message"]
+    assert list(tmp_path.iterdir()) == []  # nothing written here, nor a default store made
