@@ -57,16 +57,21 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
         keep = model_filter(model)
         plan = [i for i in everything if keep(i) and (cutoff is None or i.last_used < cutoff)]
     total = sum(i.nbytes for i in plan)
+    # What removing them frees: their own bytes (blocks only they reference
+    # between them may free more; the report after says what it freed).
+    own = sum(store.own_bytes([i.id for i in plan]).values()) if plan else 0
     keylen = key_length(i.id for i in everything)
 
-    def report(removed, missing=()):
+    def report(removed, missing=(), freed=0):
         if as_json:
             emit_json({
                 "dry_run": dry_run,
                 "planned": [info_json(i) for i in plan],
                 "removed": [i.id for i in removed],
                 "vanished": list(missing),
-                "bytes": sum(i.nbytes for i in removed) if not dry_run else total,
+                "bytes": sum(i.nbytes for i in removed) if not dry_run else total,  # their caches' bytes
+                "own_bytes": own,  # of those, not shared with entries outside the plan (before removal)
+                "freed": freed,  # what the store's usage fell by
             })
 
     if not plan:
@@ -76,7 +81,7 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
         return
     if not as_json:
         render_table(entry_rows(plan, keylen), right={3, 4})
-        click.echo(f"plan: remove {plural(len(plan))}, {format_size(total)}")
+        click.echo(f"plan: remove {plural(len(plan))}, {format_size(total)} of cache, {format_size(own)} of it not shared")
     if dry_run:
         if not as_json:
             click.echo("dry run: nothing removed")
@@ -89,8 +94,10 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
             fail("Aborted", "not confirmed; nothing removed", as_json)
     # Exactly the planned entries, in one transaction: one removed or replaced
     # by another process since the plan is reported, not deleted.
+    before = store.usage()
     removed, missing = store.remove_planned(plan)
+    freed = max(0, before - store.usage())
     if as_json:
-        report(removed, missing)
+        report(removed, missing, freed)
         return
-    click.echo(f"removed {plural(len(removed))}, {format_size(sum(i.nbytes for i in removed))}")
+    click.echo(f"removed {plural(len(removed))}, {format_size(sum(i.nbytes for i in removed))} of cache; {format_size(freed)} freed")

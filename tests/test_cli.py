@@ -161,8 +161,38 @@ def test_rm_asks_on_a_terminal(cli, monkeypatch):
     assert "Remove 1 entry" in no.stderr and "nothing removed" in no.stderr
     assert len(js(cli("ls", "--json"))) == 1
     yes = cli("rm", a["id"], input="y\n")
-    assert yes.stdout.strip().endswith(f"removed 1 entry, {yes.stdout.split()[-2]} {yes.stdout.split()[-1]}")
+    assert "removed 1 entry, " in yes.stdout and yes.stdout.strip().endswith(" freed")
     assert js(cli("ls", "--json")) == []
+
+
+def test_rm_reports_what_it_frees_not_the_shared_bytes(cli):
+    """An entry whose KV blocks a longer entry shares: rm's plan says how
+    much of it is its own, and the report what the store's usage fell by
+    (it reported the whole cache's bytes as removed)."""
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 500, 2048).tolist()
+    keys, values = (rng.standard_normal((1, 2, 2048, 64)).astype(np.float16) for _ in "kv")
+
+    def cache(n):
+        kv = KVCache()
+        kv.update_and_fetch(mx.array(keys[..., :n, :]), mx.array(values[..., :n, :]))
+        return [kv]
+
+    with PromptStore(cli.store_dir) as s:
+        short = s.put("m@0123456789abcdef", tokens[:1024], cache(1024))
+        s.put("m@0123456789abcdef", tokens, cache(2048))
+        usage = s.usage()
+    plan = js(cli("rm", short.id, "--dry-run", "--json"))
+    assert plan["bytes"] == short.nbytes and plan["own_bytes"] < short.nbytes // 20
+    human = cli("rm", short.id, "--dry-run").stdout
+    assert "not shared" in human
+    done = js(cli("rm", short.id, "--yes", "--json"))
+    with PromptStore(cli.store_dir) as s:
+        assert done["freed"] == usage - s.usage() < short.nbytes // 20
+        assert done["own_bytes"] <= done["freed"]
 
 
 def test_rm_by_model_and_older_than(cli, monkeypatch):
