@@ -37,6 +37,7 @@ def verify(obj, fix, as_json):
             "newer": [{"id": eid, "problem": what} for eid, what in report.newer],
             "orphan_chunks": report.orphan_chunks,
             "orphan_blobs": report.orphan_blobs,
+            "orphan_packs": report.orphan_packs,
             "bad_counts": report.bad_counts,
             "orphan_blocks": report.orphan_blocks,
             "fixed": report.fixed and not report.ok,
@@ -53,9 +54,9 @@ def verify(obj, fix, as_json):
             click.echo(f"{report.bad_counts} shared block(s) with a wrong reference count" + (" (repaired)" if fix else ""))
         if report.orphan_blocks:
             click.echo(f"{report.orphan_blocks} shared block(s) no entry references" + (" (removed)" if fix else ""))
-        if report.orphan_blobs:
-            click.echo(f"{report.orphan_blobs} blob file(s) no entry names (left by killed puts; "
-                       + ("removed)" if fix else "`promptstore gc` removes them)"), err=True)
+        for count, what in ((report.orphan_blobs, "blob file(s) no entry names"), (report.orphan_packs, "pack file(s) the store does not record")):
+            if count:
+                click.echo(f"{count} {what} (left by killed puts; " + ("removed)" if fix else "`promptstore gc` removes them)"), err=True)
         if report.ok:
             click.echo(f"ok: {plural(report.checked)} checked")
         elif fix:

@@ -109,7 +109,8 @@ def test_sigkill_during_deletes_pack_rewrites_and_compaction(tmp_path):
     store = check_after_crashes(tmp_path / "store", res["done"], "chats")
     packs = audit_packs(store)
     store.gc()  # strays of killed puts and rewrites go
-    assert store.verify().ok and store.verify().orphan_blobs == 0
+    after = store.verify()
+    assert after.ok and after.orphan_blobs == 0 and after.orphan_packs == 0
     audit_blocks(store), audit_packs(store)
     print(f"\ncrash (maintenance): {kills} SIGKILLs, {res['inflight_at_kill']} inside a put, "
           f"{len(res['done'])} puts kept, {packs} packs")

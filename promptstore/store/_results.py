@@ -61,6 +61,7 @@ class VerifyReport:
     bad_counts: int = 0  # shared blocks whose reference count is not the number of references
     orphan_blocks: int = 0  # shared blocks no entry references
     newer: Tuple[Tuple[str, str], ...] = ()  # (entry id, why): intact, written by a newer promptstore; kept
+    orphan_packs: int = 0  # pack files the store does not record: leftovers of killed puts, not damage
 
     @property
     def ok(self) -> bool:

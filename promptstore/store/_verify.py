@@ -42,7 +42,8 @@ class Maintenance:
             orphans = [
                 bytes(k) for k in txn.cursor(db=db.chunks).iternext(keys=True, values=False) if owner_of_chunk(bytes(k)) not in known
             ]
-            stray = self.stray_blobs(txn) + [_packs.name(p) for p in self.stray_packs(txn)]
+            stray = self.stray_blobs(txn)
+            stray_packs = self.stray_packs(txn)
             counts = self._counts(txn)
         checked = 0
         for ekey in keys:
@@ -64,7 +65,7 @@ class Maintenance:
             problems.append((eid, str(err)))
             if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
                 bad[ekey] = raw
-        if fix and (bad or orphans or stray or counts.wrong or counts.orphans):
+        if fix and (bad or orphans or stray or stray_packs or counts.wrong or counts.orphans):
             def write(txn) -> None:
                 for ekey, raw in bad.items():
                     now = txn.get(ekey, db=db.entries)
@@ -80,7 +81,10 @@ class Maintenance:
                 _budget.rebuild_lru(txn, db)
 
             self._env.write(write)
-        return VerifyReport(checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer))
+        return VerifyReport(
+            checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer),
+            orphan_packs=len(stray_packs),
+        )
 
     def _counts(self, txn) -> "_Counts":
         """How the stored reference counts differ from the references the manifests make."""
