@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from promptstore import ModelMismatch
+from promptstore import InvalidInput, ModelMismatch
 from promptstore.cli._common import check_output, command, emit_json, format_size, guarded, info_json, json_option, store_option
 from promptstore.cli._model import MODEL_HELP, identities
-from promptstore.jobs.interop import export_entry
+from promptstore.jobs.interop import check_cache_file_name, export_entry
 
 
 @command()
@@ -28,8 +28,10 @@ from promptstore.jobs.interop import export_entry
 def export(obj, key, output, model_dir, as_json):
     """Write entry KEY (an id or unique prefix) as an mlx-lm prompt-cache file
     that `mlx_lm.generate --prompt-cache-file` reads."""
-    if not output.endswith(".safetensors"):
-        raise click.BadParameter("the file must end in .safetensors (mlx-lm appends it otherwise)", param_hint="-o")
+    try:
+        check_cache_file_name(output)
+    except InvalidInput as err:
+        raise click.BadParameter(str(err), param_hint="-o") from err
     check_output(output)
     ids = identities(model_dir)
     store = obj.reader()

@@ -8,7 +8,8 @@ from promptstore.cli._common import check_output, command, emit_json, guarded, i
 from promptstore.cli._model import best_lookup, check_length, load, model_options
 from promptstore.cli._prompt import prompt_options, prompt_tokens
 from promptstore.cli.put import progress_bar
-from promptstore.jobs.interop import write_mlx_cache_file
+from promptstore.jobs.interop import check_cache_file_name, write_mlx_cache_file
+from promptstore.errors import InvalidInput
 from promptstore.jobs.prefill import make_cache, prefill
 
 # A match shorter than this share of the prompt (the chat template's opening,
@@ -43,8 +44,10 @@ def get(obj, margs, pargs, output, as_json):
     may only read is read without recording use.
     """
     if output is not None:
-        if not output.endswith(".safetensors"):
-            raise click.BadParameter("the file must end in .safetensors (mlx-lm appends it otherwise)", param_hint="-o")
+        try:
+            check_cache_file_name(output)
+        except InvalidInput as err:
+            raise click.BadParameter(str(err), param_hint="-o") from err
         check_output(output)
     loaded = load(margs)
     tokens = prompt_tokens(loaded.tokenizer, pargs)

@@ -357,6 +357,11 @@ def test_export_requires_model_and_checks_it(cli, tmp_path):
     err = js(cli("export", entry["id"], "-o", str(tmp_path / "b.safetensors"), "--model", QNEXT, "--json", code=1))
     assert err["error"] == "ModelMismatch"
     assert js(cli("export", entry["id"], "-o", str(tmp_path / "c.bin"), "--model", LLAMA, "--json", code=2))["error"] == "UsageError"
+    # A bare ".safetensors" passed the CLI's check, then failed after the work on the writer's
+    dot = js(cli("export", entry["id"], "-o", str(tmp_path / ".safetensors"), "--model", LLAMA, "--json", code=2))
+    assert dot["error"] == "UsageError" and "NAME.safetensors" in dot["message"]
+    dot = js(cli("get", "--model", LLAMA, "--prompt", PROMPT, "-o", str(tmp_path / ".safetensors"), "--json", code=2))
+    assert dot["error"] == "UsageError" and not (tmp_path / ".safetensors").exists()
     missing = js(cli("export", "ffff", "-o", str(tmp_path / "d.safetensors"), "--model", LLAMA, "--json", code=1))
     assert missing["error"] == "EntryNotFound"
 

@@ -104,6 +104,20 @@ def cache_coverage(cache: Sequence[Any], where: str = "cache") -> int:
     return next(iter(known))
 
 
+def check_cache_file_name(path: Union[str, Path]) -> None:
+    """Refuse a name mlx-lm's save would change: it must end in
+    ``.safetensors`` after a name of its own (``mx.save_safetensors``
+    appends the suffix to any other, a bare ``.safetensors`` included).
+
+    Raises:
+        InvalidInput: it does not.
+    """
+    if Path(path).suffix != ".safetensors":
+        raise InvalidInput(
+            f"{path}: an mlx-lm prompt-cache file must be named NAME.safetensors (mx.save_safetensors appends the suffix otherwise)"
+        )
+
+
 def write_mlx_cache_file(
     path: PathLike,
     cache: Sequence[Any],
@@ -136,8 +150,7 @@ def write_mlx_cache_file(
     from mlx_lm.models.cache import save_prompt_cache
 
     path = Path(path)
-    if path.suffix != ".safetensors":
-        raise InvalidInput(f"{path}: an mlx-lm prompt-cache file must end in .safetensors (mx.save_safetensors appends it otherwise)")
+    check_cache_file_name(path)
     layers = [_to_mlx_lm_layer(layer) for layer in cache]
     if file_metadata is not None and not _strings(dict(file_metadata)):
         raise InvalidInput(f"{path}: file metadata must map names to strings (safetensors metadata holds only strings)")
