@@ -53,7 +53,8 @@ def gc(obj, budget, dry_run, yes, as_json):
     by itself). Also removes blob files no entry names (left by killed puts).
     The data file does not shrink: run `promptstore compact`.
     """
-    store = obj.existing_store()
+    # A dry run only reads: it plans on a store this user may only read, too.
+    store = obj.reader() if dry_run else obj.existing_store()
     new_budget = None if budget is None or budget.lower() == "none" else parse_bytes(budget)
     target = new_budget if budget is not None else store.budget
     plan = store.gc(budget=target, dry_run=True) if target is not None else None
@@ -62,10 +63,15 @@ def gc(obj, budget, dry_run, yes, as_json):
         click.echo(f"budget {format_size(target) if target is not None else 'none'}; in use {format_size(store.usage())}")
         if evicting:
             click.echo(f"plan: evict {plural(len(evicting))}, {format_size(plan.freed)} (least recently used first)")
+    # Pinned entries are never evicted: past them the budget cannot be met (the real run refuses it).
+    short = plan is not None and target is not None and plan.usage > target
+    if short and not as_json:
+        click.echo(f"the budget cannot be reached: after evicting every unpinned entry the store would hold "
+                   f"{format_size(plan.usage)}; unpin entries or choose a larger budget", err=True)
     if dry_run:
         if as_json:
             emit_json({"dry_run": True, "budget": target, "evict": list(evicting), "bytes": plan.freed if plan else 0,
-                       "usage": plan.usage if plan else store.usage()})
+                       "usage": plan.usage if plan else store.usage(), "reachable": not short})
         else:
             click.echo("dry run: nothing evicted")
         return

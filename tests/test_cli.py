@@ -427,3 +427,18 @@ def test_group_usage_errors_are_json_with_json(tmp_path):
     assert res.exit_code == 2 and "No such command" in res.stderr and res.stdout == ""
     res = runner.invoke(group, ["--store", str(tmp_path / "s"), "ls", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout) == []
+
+
+def test_gc_dry_run_says_when_pins_keep_the_budget_out_of_reach(cli):
+    """A dry run on a store of pinned entries said only "nothing evicted",
+    where the real run is refused (StoreFull)."""
+    entry = put(cli, PROMPT)
+    with PromptStore(cli.store_dir) as s:
+        s.pin(entry["id"])
+    plan = js(cli("gc", "--budget", "0", "--dry-run", "--json"))
+    assert plan["evict"] == [] and plan["reachable"] is False and plan["usage"] > 0
+    human = cli("gc", "--budget", "0", "--dry-run")
+    assert "cannot be reached" in human.stderr and "dry run: nothing evicted" in human.stdout
+    assert js(cli("gc", "--budget", "1MB", "--dry-run", "--json"))["reachable"] is True
+    err = js(cli("gc", "--budget", "0", "--yes", "--json", code=1))
+    assert err["error"] == "StoreFull" and [r["id"] for r in js(cli("ls", "--json"))] == [entry["id"]]
