@@ -80,32 +80,13 @@ class SSMCodec(Codec):
             "left_padding": _list(layer.left_padding),
             "lengths": _list(layer.lengths),
         }
+        # What decode would refuse is refused here, before anything is
+        # written: a put never replaces a stored entry by an unreadable one.
+        _checked(arrays, meta, self.kind, InvalidInput)
         return arrays, meta
 
     def decode(self, arrays, meta, version):
-        kind = self.kind
-        offsets = require(meta, "offsets", list, kind)
-        if not 1 <= len(offsets) <= _MAX_ROWS or not all(_nonneg_int(o) for o in offsets):
-            raise CorruptEntry(f"kind {kind!r}: meta field 'offsets' is malformed")
-        rows = len(offsets)
-        has_conv = require(meta, "conv", bool, kind)
-        has_state = require(meta, "state", bool, kind)
-        if has_conv != has_state:
-            raise CorruptEntry(f"kind {kind!r}: conv and recurrent state must be stored together")
-        if not has_conv and any(offsets):
-            raise CorruptEntry(f"kind {kind!r}: offsets {offsets} but no state stored")
-        padding = {}
-        for name in ("left_padding", "lengths"):
-            value = require(meta, name, (list, type(None)), kind)
-            if value is not None and (
-                len(value) != rows or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-            ):
-                raise CorruptEntry(f"kind {kind!r}: meta field {name!r} is malformed")
-            padding[name] = value
-        conv = state = None
-        if has_conv:
-            conv = _slot(arrays, "conv", 3, rows, kind)
-            state = _slot(arrays, "state", 4, rows, kind)
+        conv, state, offsets, padding = _checked(arrays, meta, self.kind, CorruptEntry)
         return SSMCache.from_parts(
             conv, state, offsets, left_padding=padding["left_padding"], lengths=padding["lengths"]
         )
@@ -124,12 +105,40 @@ class SSMCodec(Codec):
         return layer.offset
 
 
-def _slot(arrays, name: str, ndim: int, rows: int, kind: str) -> mx.array:
+def _checked(arrays, meta, kind: str, error):
+    """``(conv, state, offsets, padding)`` of an entry's arrays and meta, or
+    ``error`` (CorruptEntry reading, InvalidInput writing) naming what is wrong."""
+    offsets = meta.get("offsets") if isinstance(meta, dict) else None
+    if not isinstance(offsets, list) or not 1 <= len(offsets) <= _MAX_ROWS or not all(_nonneg_int(o) for o in offsets):
+        raise error(f"kind {kind!r}: meta field 'offsets' is malformed")
+    rows = len(offsets)
+    has_conv = require(meta, "conv", bool, kind)
+    has_state = require(meta, "state", bool, kind)
+    if has_conv != has_state:
+        raise error(f"kind {kind!r}: conv and recurrent state must be stored together")
+    if not has_conv and any(offsets):
+        raise error(f"kind {kind!r}: offsets {offsets} but no state stored")
+    padding = {}
+    for name in ("left_padding", "lengths"):
+        value = require(meta, name, (list, type(None)), kind)
+        if value is not None and (
+            len(value) != rows or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            raise error(f"kind {kind!r}: meta field {name!r} is malformed")
+        padding[name] = value
+    conv = state = None
+    if has_conv:
+        conv = _slot(arrays, "conv", 3, rows, kind, error)
+        state = _slot(arrays, "state", 4, rows, kind, error)
+    return conv, state, offsets, padding
+
+
+def _slot(arrays, name: str, ndim: int, rows: int, kind: str, error=CorruptEntry) -> mx.array:
     x = array(arrays, name, kind)
     if not isinstance(x, mx.array) or x.ndim != ndim or x.shape[0] != rows or x.dtype not in _FLOATS:
         shape = getattr(x, "shape", None)
         dtype = getattr(x, "dtype", None)
-        raise CorruptEntry(
+        raise error(
             f"kind {kind!r}: array {name!r} has shape {shape} and dtype {dtype}, "
             f"expected {ndim} dims with {rows} rows of floats"
         )

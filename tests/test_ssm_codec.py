@@ -142,6 +142,32 @@ def test_malformed_arrays_are_corrupt():
             decode_layer(enc.kind, enc.version, arrays, enc.meta)
 
 
+def test_a_put_of_slots_the_decoder_would_refuse_is_invalid_input(tmp_path):
+    """The encoder runs the decoder's checks: a put of an SSMCache whose slots
+    could never be read back (integer conv, float64 or 3-D state, left
+    padding for other rows) is refused before anything is written. It used to
+    succeed, replacing a good entry by one every get refused as CorruptEntry."""
+    from promptstore.errors import InvalidInput
+
+    good = ssm_samples()[0]
+    conv, state = good[0], good[1]
+    bad = [
+        SSMCache.from_parts(conv.astype(mx.int32), state, [37]),
+        SSMCache.from_parts(conv, state.astype(mx.float64), [37]),
+        SSMCache.from_parts(conv, state[:, 0], [37]),
+        SSMCache.from_parts(conv, state, [37], left_padding=[0, 0]),
+    ]
+    tokens = list(range(37))
+    with PromptStore(tmp_path / "s") as store:
+        store.put("m@0123456789abcdef", tokens, [good])
+        for layer in bad:
+            with pytest.raises(InvalidInput):
+                encode_layer(layer)
+            with pytest.raises(InvalidInput):
+                store.put("m@0123456789abcdef", tokens, [layer])
+            assert _same_layer(store.get("m@0123456789abcdef", tokens)[0], good)
+
+
 def _pending_cache(model, keep):
     cache = make_prompt_cache(model)
     _forward(model, cache, PROMPT)
