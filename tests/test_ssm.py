@@ -393,3 +393,27 @@ def test_batch_generator_runs_unchanged(arch):
         for c, w in zip(caches, want_caches):
             assert type(c[0]) is SSMCache and c[0].offset == c[1].offset
             assert same_ssm(c, w)
+
+
+def test_the_state_setter_refuses_slots_that_disagree():
+    """Slots of different row counts (a row past one slot's end was then read
+    out of bounds by extract, and stored), one slot without the other, or
+    slots that are not arrays are InvalidInput; the cache is left as it was."""
+    from promptstore.errors import InvalidInput
+    from promptstore.ssm import SSMState
+
+    conv, state = mx.zeros((2, 3, 8)), mx.ones((2, 2, 4, 4))
+    c = SSMCache.from_parts(conv, state, [4, 4])
+    for slots, offsets in (
+        ([conv, state[:1]], [4, 4]),
+        ([conv[:1], state], None),
+        ([None, state], [4, 4]),
+        ([conv, None], [4, 4]),
+        ([conv.tolist(), state], [4, 4]),
+    ):
+        v = SSMState((slots, None, None), offsets=offsets) if offsets is not None else (slots, None, None)
+        with pytest.raises(InvalidInput):
+            c.state = v
+        assert c.offsets == [4, 4] and c[0].shape == (2, 3, 8) and c[1].shape == (2, 2, 4, 4)
+    c.state = SSMState(([conv[:1], state[:1]], None, None), offsets=[7])
+    assert c.offsets == [7] and c.extract(0)[1].shape == (1, 2, 4, 4)

@@ -163,7 +163,14 @@ class SSMCache(Rounds):
         slots = list(slots)
         if len(slots) != 2:
             raise InvalidInput(f"SSMCache.state takes two slots (conv, recurrent state), got {len(slots)}")
-        b = next((s.shape[0] for s in slots if s is not None), None)
+        if any(s is not None and not isinstance(s, mx.array) for s in slots):
+            raise InvalidInput(f"SSMCache.state: slots must be mx.array or None, not {[type(s).__name__ for s in slots]}")
+        if (slots[0] is None) != (slots[1] is None):
+            raise InvalidInput("SSMCache.state: the conv and recurrent-state slots are set together or not at all")
+        rows = {s.shape[0] if s.ndim else 0 for s in slots if s is not None}
+        if len(rows) > 1:  # a row past one slot's end would be read out of bounds (mx.take does not check)
+            raise InvalidInput(f"SSMCache.state: the slots hold different numbers of rows ({sorted(rows)})")
+        b = next(iter(rows), None)
         offsets = getattr(v, "offsets", None)
         if offsets is not None:
             offsets = list(offsets)
