@@ -323,3 +323,35 @@ def test_a_memory_hit_restores_nothing_from_the_store(store_path, llama):
         assert rest == [1]
         assert pc.store.counters() == before  # no store lookup ran
         assert (pc.stats()["memory_hits"], pc.stats()["store_hits"]) == (1, 0)
+
+
+def test_insert_during_an_open_verify_round_is_refused_not_held(tmp_path, caplog):
+    """A hybrid cache whose SSMCache layers are in an open verify round cannot
+    be snapshotted (the round rolls back in place): the insert is refused and
+    logged. It used to be held in memory as the caller's live layers, and a
+    later fetch handed out the rolled-back, extended cache as the prompt's."""
+    from mlx_lm import load
+
+    from promptstore.ssm import SSMCache, adapt, make_prompt_cache as ssm_cache
+
+    _, _, _, path = load_fixture("qwen3_next")
+    model, _ = load(str(path))  # a private copy: adapt() changes the model
+    adapt(model)
+    key = (str(path), None, None)
+    prompt = sample_tokens(8, seed=3)
+    pc = PersistentPromptCache(tmp_path / "s", ssm_layers=True)
+    try:
+        cache = ssm_cache(model)
+        mx.eval(model(mx.array([prompt]), cache=cache))
+        for c in cache:
+            if isinstance(c, SSMCache):
+                c.begin_round()
+        mx.eval(model(mx.array([[100, 101, 102]]), cache=cache))
+        with caplog.at_level(logging.WARNING, logger="promptstore"):
+            pc.insert_cache(key, prompt, cache)
+        assert "speculative round is open" in caplog.text
+        assert pc.stats()["errors"] == 1 and len(pc) == 0
+        got, rest = pc.fetch_nearest_cache(key, prompt + [55])
+        assert got is None and rest == prompt + [55]
+    finally:
+        pc.close()

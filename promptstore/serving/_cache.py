@@ -68,7 +68,7 @@ from promptstore.store import _keys
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, SOURCE, History, checkpoint_limit
 from promptstore.serving._memory import MemEntry, MemoryTier, checkout, view
 from promptstore.serving._writer import Job, Writer
-from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
+from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError, RoundError
 from promptstore.identity import fingerprint, legacy_fingerprint
 from promptstore.store import EntryInfo, PromptStore
 
@@ -316,7 +316,9 @@ class PersistentPromptCache:
         try:
             layers, nbytes, trimmable = view(prompt_cache, len(toks))
             viewable = True
-        except CoverageMismatch:
+        except (CoverageMismatch, RoundError):
+            # A layer in an open verify round: its state is about to be rolled
+            # back in place, so no snapshot of it can be held (insert_cache logs it).
             raise
         except PromptStoreError as err:
             from mlx_lm.models.cache import can_trim_prompt_cache
