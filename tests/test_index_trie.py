@@ -152,3 +152,26 @@ def test_a_format_1_store_is_read_as_it_is_and_upgraded_once(old_store):
                 assert bits_equal(got[0].values[..., : got[0].offset, :], mx.array(want[1]))
     with PromptStore(path) as again:  # a second open finds format 2 and changes nothing
         assert _answers(again, entries) == upgraded
+
+
+def test_a_prefix_hash_collision_does_not_hide_a_trimmable_match(tmp_path):
+    """The prefix hash is not collision-resistant: a 512-token Thue-Morse
+    sequence over two ids 2048 apart hashes like its complement. An entry on
+    the colliding path made lookup stop at the node it reached by the
+    collision, whose candidates failed the token check, and miss a real
+    trimmed match further up (None, peek 0)."""
+    from promptstore.store import _keys
+
+    bits = [bin(i).count("1") & 1 for i in range(512)]
+    a = [1000 if b == 0 else 3048 for b in bits]
+    a_bar = [3048 if b == 0 else 1000 for b in bits]
+    assert a != a_bar and _keys.prefix_hashes(np.array(a, dtype=np.uint32))[-1] == _keys.prefix_hashes(np.array(a_bar, dtype=np.uint32))[-1]
+    near = a_bar[:500] + [42] * 30  # shares 500 tokens with the query
+    query = a_bar + [9] * 10
+    with PromptStore(tmp_path / "s") as store:
+        store.put("m@0123456789abcdef", near, kv(len(near)))
+        store.put("m@0123456789abcdef", a + [7] * 10, kv(522, seed=1))  # on the colliding path, shares nothing
+        hit = store.lookup("m@0123456789abcdef", query)
+        assert hit is not None and hit.matched == 500 and store.peek("m@0123456789abcdef", query) == 500
+        want = kv(len(near))[0]
+        assert bits_equal(hit.cache[0].keys[..., :500, :], want.keys[..., :500, :])

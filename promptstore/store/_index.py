@@ -187,7 +187,9 @@ def best_trim(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray
 
     From the deepest node down, the first node that holds trimmable segments
     has the answer among the two neighbours of the query's own segment: every
-    trimmable entry through a deeper node would have been found there.
+    trimmable entry through a deeper node would have been found there. A node
+    whose candidates turn out not to share its prefix with the query (a hash
+    collision) is passed over.
     """
     if TRIMS not in dbs:
         return _best_trim_segs(txn, dbs, mid, toks, hashes, deepest, manifest)
@@ -209,7 +211,11 @@ def best_trim(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray
             common = m if same.all() else int(np.argmin(same))
             if best is None or common > best[0]:
                 best = (common, ekey, man)
-        return best
+        if best is not None and best[0] >= k * BLOCK:
+            return best
+        # Node k's entries do not share its k*BLOCK tokens with the query: the
+        # query reached it by a collision of the prefix hash (crafted input
+        # does it). Go on to the nodes above, where a real match may be.
     return None
 
 
