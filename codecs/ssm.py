@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from promptstore.codecs._registry import Codec, array, register, require
 from promptstore.codecs._rows import Rows, slot_signature
-from promptstore.errors import CorruptEntry, CoverageMismatch, InvalidInput
+from promptstore.errors import CorruptEntry, CoverageMismatch, InvalidInput, RoundError
 from promptstore.ssm import SSMCache
 
 _MAX_ROWS = 1 << 16
@@ -41,6 +41,14 @@ class SSMRows(Rows):
 
     def slot_signature(self, layer):
         return slot_signature(layer)
+
+    def check_settled(self, layer, where):
+        """Refuse a batch layer in an open verify round before any layer is
+        extended (``SSMCache.extend`` refuses it too, after the layers before it)."""
+        try:
+            layer._check_no_round("extend")
+        except RoundError as err:
+            raise RoundError(f"{where}: {err}") from err
 
 
 class SSMCodec(Codec):

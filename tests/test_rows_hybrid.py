@@ -144,3 +144,19 @@ def test_arrays_row_without_coverage_cannot_join_an_ssm_batch():
     joined = merge_rows([batch[0], merge_rows(None, [[kv_b]])[0]], [[row, kv_r]])
     assert type(joined[0]) is SSMCache and joined[0].offsets == [3, 6]
     assert _eq(joined[0][0][1:], row[0])
+
+
+def test_a_batch_with_an_open_round_on_a_later_layer_is_refused_untouched():
+    """merge_rows checks every layer before extending any: with a verify
+    round open on the second layer only, the first layer was already
+    extended when the second refused."""
+    from promptstore.errors import RoundError
+
+    def ssm(rows, value):
+        return SSMCache.from_parts(mx.full((rows, 3, 8), value), mx.full((rows, 2, 4, 4), value), [3] * rows)
+
+    batch = [ssm(2, 1.0), ssm(2, 2.0)]
+    batch[1].begin_round()
+    with pytest.raises(RoundError, match="layer 1"):
+        merge_rows(batch, [[ssm(1, 3.0), ssm(1, 4.0)]])
+    assert [layer.batch_size for layer in batch] == [2, 2] and batch[0].offsets == [3, 3]
