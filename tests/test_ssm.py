@@ -417,3 +417,32 @@ def test_the_state_setter_refuses_slots_that_disagree():
         assert c.offsets == [4, 4] and c[0].shape == (2, 3, 8) and c[1].shape == (2, 2, 4, 4)
     c.state = SSMState(([conv[:1], state[:1]], None, None), offsets=[7])
     assert c.offsets == [7] and c.extract(0)[1].shape == (1, 2, 4, 4)
+
+
+def test_malformed_constructor_input_is_invalid_input():
+    """Every malformed argument is InvalidInput: they raised AttributeError,
+    ValueError or TypeError, or were taken (a float row index truncated to
+    row 0, a numpy slot that a later put failed on)."""
+    import numpy as np
+
+    from promptstore.errors import InvalidInput
+
+    conv, state = mx.zeros((1, 3, 8)), mx.ones((1, 2, 4, 4))
+    arrays = ArraysCache(2)
+    arrays[0], arrays[1] = conv, state
+    cases = [
+        lambda: SSMCache.from_parts([[0.0]], state, [4]),
+        lambda: SSMCache.from_parts(np.zeros((1, 3, 8)), state, [4]),
+        lambda: SSMCache.from_parts(conv, state, [4], left_padding=["a"]),
+        lambda: SSMCache.from_parts(conv, state, [4], lengths=[1.5]),
+        lambda: SSMCache(left_padding=["x"]),
+        lambda: SSMCache.from_arrays_cache(arrays, None),
+        lambda: SSMCache.from_arrays_cache(arrays, 4.0),
+        lambda: SSMCache.from_parts(conv, state, [4]).filter([0.9]),
+        lambda: SSMCache.from_parts(conv, state, [4]).prepare(lengths="ab"),
+    ]
+    for i, case in enumerate(cases):
+        with pytest.raises(InvalidInput):
+            case()
+    assert SSMCache(left_padding=mx.array([0, 2])).offsets == [0, 0]
+    assert SSMCache.from_parts(mx.zeros((2, 3, 8)), mx.ones((2, 2, 4, 4)), [4, 5], left_padding=[np.int64(0), 1]).offsets == [4, 5]

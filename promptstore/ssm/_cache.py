@@ -48,9 +48,10 @@ class SSMCache(Rounds):
     storage_kind = "ssm.gated_delta"
 
     def __init__(self, left_padding: Optional[List[int]] = None):
+        padding = as_list(left_padding) or None  # InvalidInput: not ints
         self._slots: List[Optional[mx.array]] = [None, None]
-        self._offsets: List[int] = [0] * (len(left_padding) if left_padding else 1)
-        self._left_padding: Optional[List[int]] = list(left_padding) if left_padding else None
+        self._offsets: List[int] = [0] * (len(padding) if padding else 1)
+        self._left_padding: Optional[List[int]] = padding
         self._lengths: Optional[List[int]] = None
         self._round = None
         self._pending = None
@@ -207,6 +208,8 @@ class SSMCache(Rounds):
         if (conv is None) != (state is None):
             raise InvalidInput("SSMCache.from_parts: conv and recurrent state go together")
         for s in (conv, state):
+            if s is not None and (not isinstance(s, mx.array) or s.ndim < 2):
+                raise InvalidInput(f"SSMCache.from_parts: a slot must be an mx.array of rows, not {type(s).__name__}")
             if s is not None and s.shape[0] != len(offsets):
                 raise InvalidInput(
                     f"SSMCache.from_parts: a slot holds {s.shape[0]} rows, offsets {len(offsets)}"
@@ -247,6 +250,8 @@ class SSMCache(Rounds):
             raise InvalidInput("SSMCache.from_arrays_cache: the batch is between prepare() and finalize()")
         conv, state = layer.cache
         rows = int(layer.batch_size)
+        if not is_int(offsets) and (isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence)):
+            raise InvalidInput(f"SSMCache.from_arrays_cache: offsets must be an int or a list of ints, not {offsets!r}")
         offs = [offsets] * rows if is_int(offsets) else list(cast(Sequence[int], offsets))
         if conv is None and any(o != 0 for o in offs if is_int(o)):
             raise InvalidInput(

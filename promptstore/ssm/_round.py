@@ -7,6 +7,7 @@ the protocol.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, TypeGuard, Union, cast
 
@@ -174,8 +175,29 @@ def is_int(x: object) -> TypeGuard[int]:
 
 
 def as_list(value) -> Optional[List[int]]:
+    """``value`` (None, an integer mx.array, or a sequence of ints) as a list of ints.
+
+    Raises:
+        InvalidInput: anything else (a float, a string, a bool: ``int()``
+            would truncate or raise a raw error).
+    """
     if value is None:
         return None
     if isinstance(value, mx.array):
+        if not mx.issubdtype(value.dtype, mx.integer):
+            raise InvalidInput(f"expected integers, got an array of {value.dtype}")
         return cast(List[int], value.tolist())
-    return [int(x) for x in value]
+    if isinstance(value, (str, bytes)):
+        raise InvalidInput(f"expected a list of ints, got {type(value).__name__}")
+    try:
+        items = list(value)
+    except TypeError as err:
+        raise InvalidInput(f"expected a list of ints, got {type(value).__name__}") from err
+    out = []
+    for x in items:
+        if isinstance(x, mx.array) and x.ndim == 0 and mx.issubdtype(x.dtype, mx.integer):
+            x = x.item()
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise InvalidInput(f"expected a list of ints, got {x!r} in it")
+        out.append(int(x))
+    return out
