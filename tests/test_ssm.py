@@ -446,3 +446,23 @@ def test_malformed_constructor_input_is_invalid_input():
             case()
     assert SSMCache(left_padding=mx.array([0, 2])).offsets == [0, 0]
     assert SSMCache.from_parts(mx.zeros((2, 3, 8)), mx.ones((2, 2, 4, 4)), [4, 5], left_padding=[np.int64(0), 1]).offsets == [4, 5]
+
+
+def test_rows_of_other_slot_shapes_or_dtypes_cannot_join():
+    """merge and extend refuse rows whose slots differ past the row axis or in
+    dtype: mlx raised its own ValueError, or promoted the batch to float32."""
+    from promptstore.errors import InvalidInput
+
+    def row(width, dtype=mx.float16):
+        return SSMCache.from_parts(mx.zeros((1, 3, width), dtype), mx.ones((1, 2, 4, 4)), [3])
+
+    with pytest.raises(InvalidInput, match="cannot join"):
+        SSMCache.merge([row(8), row(16)])
+    with pytest.raises(InvalidInput, match="cannot join"):
+        SSMCache.merge([row(8), row(8, mx.float32)])
+    batch = SSMCache.merge([row(8), row(8)])
+    with pytest.raises(InvalidInput, match="cannot join"):
+        batch.extend(row(8, mx.float32))
+    assert batch.offsets == [3, 3] and batch[0].dtype == mx.float16 and batch[0].shape == (2, 3, 8)
+    batch.extend(row(8))
+    assert batch.offsets == [3, 3, 3]

@@ -498,10 +498,21 @@ def make_prompt_cache(model: Any, max_kv_size: Optional[int] = None) -> List[Any
 
 
 def _cat_rows(xs: List[Optional[mx.array]], sizes: List[int]) -> Optional[mx.array]:
-    """Concatenate row blocks; an absent block reads as zeros (a fresh state)."""
+    """Concatenate row blocks; an absent block reads as zeros (a fresh state).
+
+    Raises:
+        InvalidInput: blocks of other shapes past the rows, or other dtypes
+            (mlx would raise its own error, or promote the whole batch).
+    """
     ref = next((x for x in xs if x is not None), None)
     if ref is None:
         return None
+    for x in xs:
+        if x is not None and (x.shape[1:] != ref.shape[1:] or x.dtype != ref.dtype):
+            raise InvalidInput(
+                f"SSMCache: rows of slot shape {tuple(x.shape[1:])} {x.dtype} cannot join rows of "
+                f"{tuple(ref.shape[1:])} {ref.dtype} (another model's, or another dtype)"
+            )
     full = [mx.zeros((n,) + ref.shape[1:], ref.dtype) if x is None else x for x, n in zip(xs, sizes)]
     return mx.concatenate(full, axis=0)
 
