@@ -108,6 +108,12 @@ class Codec:
         """Whether ``layer`` can drop its last tokens now."""
         return False
 
+    def trim_floor(self, meta: Meta) -> int:
+        """The fewest tokens a stored layer of this kind (its ``meta``) can be
+        trimmed down to: 0 unless it no longer holds its first tokens (a
+        chunked window past its first chunk)."""
+        return 0
+
     def trim(self, layer: Any, n: int) -> None:
         """Drop the last ``n`` tokens of ``layer`` (only when ``trimmable``).
 

@@ -98,11 +98,19 @@ class CacheListCodec(Codec):
             return None
         cut = []
         for rec in inner:
-            sub = codec_for_kind(rec["kind"]).prefix_meta(rec["meta"], n) if isinstance(rec, dict) and isinstance(rec.get("meta"), dict) else None
+            ok = isinstance(rec, dict) and isinstance(rec.get("kind"), str) and isinstance(rec.get("meta"), dict)
+            sub = codec_for_kind(rec["kind"]).prefix_meta(rec["meta"], n) if ok else None
             if sub is None:
                 return None
             cut.append({**rec, "meta": sub})
         return {**meta, "inner": cut}
+
+    def trim_floor(self, meta):
+        inner = meta.get("inner")
+        if not isinstance(inner, list):
+            return 0
+        return max((codec_for_kind(rec["kind"]).trim_floor(rec["meta"]) for rec in inner
+                    if isinstance(rec, dict) and isinstance(rec.get("kind"), str) and isinstance(rec.get("meta"), dict)), default=0)
 
     def coverage(self, layer):
         known = {n for n in (layer_coverage(c) for c in layer.caches) if n is not None}

@@ -38,6 +38,18 @@ class ChunkedKVCodec(TrimmableKVCodec):
         cache.start_position = start
         return cache
 
+    def trim(self, layer, n):
+        # Past start_position the dropped chunk is gone: mlx-lm's trim would
+        # stop there without saying so, and the cache would cover more tokens
+        # than the caller was told.
+        if n > int(layer.offset) - int(layer.start_position):
+            raise self.missing(layer, "trim", f"it keeps no tokens before position {int(layer.start_position)}")
+        super().trim(layer, n)
+
+    def trim_floor(self, meta):
+        start = meta.get("start_position")
+        return start if isinstance(start, int) and not isinstance(start, bool) and start > 0 else 0
+
     def prefix_meta(self, meta, n):
         # Only a chunk that starts at token 0 holds the entry's tokens in order.
         return {**meta, "offset": n} if meta.get("start_position") == 0 else None

@@ -151,6 +151,20 @@ class Manifest:
             layers.append(replace(layer, meta=meta, arrays=arrays))
         return replace(self, tokens=self.tokens[:end], layers=tuple(layers), bounds=self.bounds[: k + 1])
 
+    def reaches(self, n: int) -> bool:
+        """Whether a trim can bring this entry down to ``n`` tokens: every
+        layer still holds its tokens back to ``n`` (see ``Codec.trim_floor``;
+        a layer of an unknown kind says nothing here, its restore fails)."""
+        if n >= len(self.tokens):
+            return True
+        for layer in self.layers:
+            try:
+                if codec_for_kind(layer.kind).trim_floor(layer.meta) > n:
+                    return False
+            except PromptStoreError:
+                continue
+        return True
+
     def payload_only(self) -> "Manifest":
         """This manifest without its shared-block arrays: what the payload readers read."""
         if not self.bounds:
@@ -300,6 +314,18 @@ def _field(doc: dict, key: str, types: Any, where: str) -> Any:
     return value
 
 
+_LAST_TIME = 253402300800.0  # 10000-01-01 UTC: past what a datetime holds
+
+
+def _created(doc: dict, where: str) -> float:
+    """The manifest's ``created`` time: seconds since the epoch that a
+    datetime can hold (a damaged one, NaN or 1e300, broke every listing)."""
+    value = float(_field(doc, "created", (int, float), where))
+    if not 0.0 <= value < _LAST_TIME:  # NaN fails too
+        raise CorruptEntry(f"{where}: manifest field 'created' is {value!r}, not a time")
+    return value
+
+
 def unpack_manifest(raw: bytes, where: str) -> Manifest:
     """Parse and validate a manifest; ``where`` names the entry in errors.
 
@@ -394,7 +420,7 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
         layers=tuple(layers),
         payload=payload,
         chunks=chunks,
-        created=float(_field(doc, "created", (int, float), where)),
+        created=_created(doc, where),
         trimmable=_field(doc, "trimmable", bool, where),
         meta=_field(doc, "meta", dict, where),
         entry_id=_field(doc, "id", str, where),

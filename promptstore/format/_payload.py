@@ -32,6 +32,8 @@ def host_bytes(a: mx.array) -> memoryview:
     view = _BYTE_VIEW.get(a.dtype)
     if view is not None:
         a = a.view(view)
+    if a.size == 0:  # memoryview cannot cast a view with a zero in its shape
+        return memoryview(b"")
     return np.asarray(a).data.cast("B")
 
 

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Set, Tuple
 import numpy as np
 
 from promptstore.codecs import trim_cache
-from promptstore.errors import CorruptEntry, ModelMismatch, PromptStoreError, UnknownStorageKind, UnsupportedVersion
+from promptstore.errors import CorruptEntry, MissingCapability, ModelMismatch, PromptStoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs
 from promptstore.format._entry import Manifest
 from promptstore.store import _index, _keys
@@ -84,7 +84,7 @@ class Finder:
         mid = _keys.model_id(model)
         with env.read() as txn:
             manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
-            return next((m for _e, m, man in _index.candidates(txn, env.db, mid, toks, manifest) if man.model == model), 0)
+            return next((m for _e, m, man in _index.candidates(txn, env.db, mid, toks, manifest) if man.model == model and man.reaches(m)), 0)
 
     def prefixes(self, env: Env, model: str, toks: np.ndarray) -> List[EntryInfo]:
         """``PromptStore.prefixes``: the entries whose tokens are a prefix of ``toks``, longest first."""
@@ -105,13 +105,17 @@ class Finder:
         with env.read(buffers=True) as txn:
             manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
             for ekey, matched, man in _index.candidates(txn, env.db, mid, toks, manifest):
-                # A prefix of a longer entry reads only the blocks it needs.
-                read = man.prefix(matched) if matched < len(man.tokens) else None
-                read = read if read is not None else man
+                if not man.reaches(matched):  # it no longer holds its first tokens: nothing to trim to
+                    continue
                 try:
                     if man.model != model:
                         raise ModelMismatch(f"entry {man.entry_id} belongs to {man.model!r}, not {model!r}")
+                    # A prefix of a longer entry reads only the blocks it needs.
+                    read = man.prefix(matched) if matched < len(man.tokens) else None
+                    read = read if read is not None else man
                     cache = self._reader.restore(txn, ekey, read)
+                    if len(read.tokens) > matched:
+                        trim_cache(cache, len(read.tokens) - matched)
                 except _blobs.Vanished as err:
                     if err.blob not in lost:
                         raise  # deleted since this snapshot, or lost: look again
@@ -123,11 +127,12 @@ class Finder:
                     else:  # not damage: never suggest deleting it
                         log.warning("promptstore: skipping entry %s, written by a newer promptstore: %s", man.entry_id, err)
                     continue
+                except MissingCapability as err:  # an intact entry that cannot be cut to this prefix
+                    log.warning("promptstore: skipping entry %s for a %d-token prefix: %s", man.entry_id, matched, err)
+                    continue
                 except PromptStoreError as err:
                     log.warning("promptstore: skipping entry %s: %s (run `promptstore verify --fix`)", man.entry_id, err)
                     continue
-                if len(read.tokens) > matched:
-                    trim_cache(cache, len(read.tokens) - matched)
                 info = self._catalog.info(txn, ekey, man)
                 self._usage.touch(ekey)
                 self._usage.count("hits")
