@@ -442,3 +442,36 @@ def test_gc_dry_run_says_when_pins_keep_the_budget_out_of_reach(cli):
     assert js(cli("gc", "--budget", "1MB", "--dry-run", "--json"))["reachable"] is True
     err = js(cli("gc", "--budget", "0", "--yes", "--json", code=1))
     assert err["error"] == "StoreFull" and [r["id"] for r in js(cli("ls", "--json"))] == [entry["id"]]
+
+
+def _limited(limit: int):
+    """preexec_fn: files this process writes end at ``limit`` bytes (EFBIG past it), as a full disk would."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_get_whose_last_use_cannot_be_recorded_still_exits_0_and_export_says_why(tmp_path):
+    import subprocess
+    import sys
+
+    store = tmp_path / "s"
+    cmd = [sys.executable, "-m", "promptstore", "--store", str(store)]
+    prompt = ["--model", LLAMA, "--prompt", "hello there"]
+    subprocess.run(cmd + ["put", *prompt], check=True, capture_output=True)
+    # The store's data file is past the limit: the get reads, then its close
+    # cannot record the last use. That was a traceback and exit 1 after the hit.
+    out = subprocess.run(cmd + ["get", *prompt], capture_output=True, text=True, preexec_fn=_limited(16 << 10))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("hit ") and "Traceback" not in out.stderr
+    assert "recording last uses at close failed" in out.stderr
+    # An export that cannot write its file: an OSError naming it, not "unexpected RuntimeError (a bug)".
+    key = json.loads(subprocess.run(cmd + ["ls", "--json"], capture_output=True, text=True, check=True).stdout)[0]["id"]
+    target = tmp_path / "x.safetensors"
+    out = subprocess.run(cmd + ["export", key, "--model", LLAMA, "-o", str(target), "--json"],
+                         capture_output=True, text=True, preexec_fn=_limited(4 << 10))  # the file has 9 KiB
+    doc = json.loads(out.stdout)
+    assert out.returncode == 1 and doc["error"] == "OSError", doc
+    assert str(target) in doc["message"] and "writing the file failed" in doc["message"]
+    assert not target.exists() and not list(tmp_path.glob(".x.tmp*"))
+    assert subprocess.run(cmd + ["get", *prompt], capture_output=True, text=True).stdout.startswith("hit ")

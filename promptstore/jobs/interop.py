@@ -145,6 +145,7 @@ def write_mlx_cache_file(
         CoverageMismatch: ``tokens`` is given and the cache covers another count.
         InvalidInput: the path does not end in ``.safetensors``, or
             ``file_metadata`` is not strings.
+        OSError: the file could not be written (nothing is left behind).
     """
     import mlx.core as mx
     from mlx_lm.models.cache import save_prompt_cache
@@ -167,7 +168,10 @@ def write_mlx_cache_file(
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
         mx.eval([layer.state for layer in layers])
-        save_prompt_cache(str(tmp), layers, metadata)
+        try:
+            save_prompt_cache(str(tmp), layers, metadata)
+        except RuntimeError as err:  # mlx's writer: "[write] Unable to write ..."
+            raise OSError(f"{path}: writing the file failed: {err} (a full disk or a file size limit?)") from err
         tmp.replace(path)
     finally:
         if tmp.exists():

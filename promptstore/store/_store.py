@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 from promptstore import rows
 from promptstore._paths import default_path, store_path
 from promptstore.codecs import encode_layer, is_trimmable
-from promptstore.errors import InvalidInput, PromptStoreError
+from promptstore.errors import InvalidInput, PromptStoreError, StoreError
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
@@ -117,6 +117,8 @@ class PromptStore:
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush recorded usage and close the store; safe while other threads use it.
+        A flush that fails (a full disk) is logged, not raised: last-use times
+        are advisory.
 
         New operations raise StoreClosed from the call on; those in flight in
         other threads finish, then usage is flushed and the files close
@@ -136,7 +138,7 @@ class PromptStore:
         if env is None:
             return
         try:
-            env.close(timeout, last=self.flush if os.getpid() == env.pid else None)
+            env.close(timeout, last=self._flush_at_close if os.getpid() == env.pid else None)
         finally:
             if env.closed or os.getpid() != env.pid:
                 self._env = None
@@ -181,6 +183,15 @@ class PromptStore:
             return
         if self._usage.pending():
             self.env.write(self._usage.flush_in)
+
+    def _flush_at_close(self) -> None:
+        """:meth:`flush`, where a failure (a full disk) is a warning: the
+        operations it records were done, and their last-use times are
+        advisory (the background flush treats them so too)."""
+        try:
+            self.flush()
+        except StoreError as err:
+            log.warning("promptstore: recording last uses at close failed (they are dropped): %s", err)
 
     def _flush_soon(self) -> None:
         """Have recorded usage written within ``Usage.FLUSH_EVERY`` seconds, in the background."""
