@@ -10,6 +10,7 @@ import sys
 import time
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from _raw import audit_blocks, referrers
@@ -176,3 +177,90 @@ def test_verify_fix_keeps_an_entry_whose_pack_another_process_repacked(tmp_path)
         assert [e.n_tokens for e in s.entries()] == [8192]
         assert same_cache(s.get("m", tokens), cache)
         assert s.verify().ok and audit_blocks(s)
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["follows", "held-past-the-wait"])
+def test_a_busy_process_follows_a_compaction_and_keeps_its_intact_entries(tmp_path, monkeypatch, stuck):
+    """Process A keeps a read open while process B compacts, deletes an entry
+    and gc rewrites the pack it shared with another. A used to stay on the old
+    generation (frozen at the compaction) as long as its reads overlapped: its
+    get of the intact entry raised "pack file ... is missing", and its
+    ``verify(fix=True)`` deleted that entry. ``stuck``: A's reads cannot wait
+    for the held one (as if it were held past the wait), so they read the old
+    generation; verify may report the entry, but its fix deletes only what it
+    found damaged in the generation it writes to."""
+    import threading
+
+    from promptstore.store import _env
+
+    if stuck:
+        monkeypatch.setattr(_env, "_READ_SWITCH_WAIT", 0.0)
+
+    import numpy as np
+
+    def wide(conv: int, n: int):  # 16 KV heads: 8 KiB a token, so the dead bytes pass gc's 4 MiB floor
+        system, own = np.random.default_rng(7), np.random.default_rng(conv)
+        tokens = system.integers(0, 50000, 600).tolist() + own.integers(0, 50000, n - 600).tolist()
+        k = np.concatenate([system.standard_normal((1, 16, 600, 64)), own.standard_normal((1, 16, n - 600, 64))], axis=2)
+        c = KVCache()
+        c.update_and_fetch(mx.array(k.astype(np.float32)), mx.array((k * 2).astype(np.float32)))
+        return tokens, [c]
+
+    path = tmp_path / "s"
+    MODEL = "m@races"
+    gone, kept = wide(1, 2000), wide(2, 800)  # kept shares the first block of the system prompt, in gone's pack
+    with PromptStore(path) as s:
+        gone_id = s.put(MODEL, *gone).id
+        s.put(MODEL, *kept)
+    packs = set(os.listdir(path / "packs"))
+    store = PromptStore(path)
+    holding = threading.Event()
+
+    def hold():
+        with store.env.read():
+            holding.set()
+            time.sleep(2.0)
+
+    reader = threading.Thread(target=hold)
+    reader.start()
+    holding.wait()
+    code = f"from promptstore import PromptStore\nwith PromptStore({str(path)!r}) as s:\n    s.compact(); s.remove({gone_id!r}); s.gc()\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not packs <= set(os.listdir(path / "packs"))  # the shared pack was rewritten, the old one unlinked
+    try:
+        if not stuck:
+            assert same_cache(store.get(MODEL, kept[0]), kept[1])  # waits for the held read, then follows
+        report = store.verify(fix=True)
+        assert stuck or report.problems == ()
+        assert store.env.generation == "gen-1"
+    finally:
+        reader.join()
+        store.close()
+    with PromptStore(path) as s:
+        assert same_cache(s.get(MODEL, kept[0]), kept[1])
+        assert s.get(MODEL, gone[0]) is None and s.verify().ok
+
+
+def test_opening_a_store_while_another_process_grows_its_map(tmp_path):
+    """LMDB's MDB_MAP_RESIZED between opening a store and its first write
+    transaction failed the open (StoreError "open: MapResizedError")."""
+    path = tmp_path / "s"
+    PromptStore(path, map_size=1 << 21).close()
+    code = (
+        "import sys, mlx.core as mx; from mlx_lm.models.cache import KVCache; from promptstore import PromptStore\n"
+        f"s = PromptStore({str(path)!r}, map_size=1 << 21); print('R', flush=True); i = 0\n"
+        "while True:\n"
+        "    c = KVCache(); k = mx.full((1, 2, 600, 64), i % 100, mx.float32); c.update_and_fetch(k, k)\n"
+        "    s.put('m@grow', [i, i + 1] + list(range(598)), [c]); i += 1\n"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "R"
+        for _ in range(60):
+            PromptStore(path, map_size=1 << 21).close()
+            time.sleep(0.02)
+    finally:
+        writer.kill()
+        writer.wait()
+    with PromptStore(path) as s:
+        assert s.verify().ok and len(list(s.entries())) > 0

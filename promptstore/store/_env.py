@@ -57,6 +57,7 @@ T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; grows on demand
 MAX_MAP_SIZE = 1 << 46
+_READ_SWITCH_WAIT = 10.0  # seconds a read waits for this process's others to leave a compacted generation
 
 
 def _signature(path: Path):
@@ -105,6 +106,7 @@ class Env:
         self.db = Tables()
         self._lock = threading.Condition()
         self._pending = threading.local()  # callbacks to run once this thread's write commits
+        self._held = threading.local()  # n: transactions this thread has open (counted in a generation's active)
         self._gate = Gate(path, self._lock, lambda: self._gen.close())  # operations in flight; close()
         if not readonly:
             try:
@@ -253,32 +255,43 @@ class Env:
             raise translate(err, where, "open") from err
         except OSError as err:
             raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
-        try:
-            check_size(env, where)
-            env.reader_check()
-            check_tables(env, where)
-            db = {}
-            if self.readonly:
-                # py-lmdb ends a read transaction by aborting it, which would leave
-                # handles opened in it invalid: let open_db run its own transaction.
+        for tries in range(3):
+            try:
+                return _Gen(env, self._open_tables(env, where), name, where)
+            except lmdb.MapResizedError:  # another process grew the map as we opened: adopt its size
+                if tries == 2:
+                    env.close()
+                    raise StoreUnavailable(f"{where}: the map kept being resized by other processes while opening; retry")
+                env.set_mapsize(0)
+            except lmdb.Error as err:
+                env.close()
+                raise translate(err, where, "open") from err
+            except StoreError:
+                env.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _open_tables(self, env: lmdb.Environment, where: Path) -> Dict[bytes, Any]:
+        """Check a freshly opened environment and open its tables."""
+        check_size(env, where)
+        env.reader_check()
+        check_tables(env, where)
+        db = {}
+        if self.readonly:
+            # py-lmdb ends a read transaction by aborting it, which would leave
+            # handles opened in it invalid: let open_db run its own transaction.
+            for dbname in TABLES:
+                try:
+                    db[dbname] = env.open_db(dbname, create=False, dupsort=dbname in DUPSORT)
+                except lmdb.NotFoundError:
+                    if dbname in OPTIONAL:  # a store older than these tables
+                        continue
+                    raise
+        else:
+            with env.begin(write=True) as txn:
                 for dbname in TABLES:
-                    try:
-                        db[dbname] = env.open_db(dbname, create=False, dupsort=dbname in DUPSORT)
-                    except lmdb.NotFoundError:
-                        if dbname in OPTIONAL:  # a store older than these tables
-                            continue
-                        raise
-            else:
-                with env.begin(write=True) as txn:
-                    for dbname in TABLES:
-                        db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in DUPSORT)
-        except lmdb.Error as err:
-            env.close()
-            raise translate(err, where, "open") from err
-        except StoreError:
-            env.close()
-            raise
-        return _Gen(env, db, name, where)
+                    db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in DUPSORT)
+        return db
 
     @property
     def dir(self) -> Path:
@@ -308,36 +321,54 @@ class Env:
     # -- generation switch -----------------------------------------------------
 
     def _follow(self, force: bool = False) -> _Gen:
-        """The generation to start a transaction in (switching when idle)."""
+        """The generation to start a transaction in, switching to the live one
+        once this process has no transaction open in the old one.
+
+        Transactions of one process share its one open generation (the
+        tables in :attr:`db` are its handles), so a switch waits for those
+        in flight to end. New ones wait with it: a process whose threads
+        keep reads overlapping (a busy server) used to stay on the old
+        generation, frozen at the compaction, while pack and blob files that
+        both generations name were unlinked by commits in the new one; its
+        intact entries then read as lost. A thread that already holds a
+        transaction here reads on in that snapshot's generation (waiting
+        would wait for itself); a read waits at most
+        :data:`_READ_SWITCH_WAIT` seconds for the others, then does the same.
+        A write (``force``) waits up to a minute, then fails.
+        """
         with self._lock:
             sig = _signature(self.path)
             if force or sig != self._sig:
                 where, _ = live_dir(self.path)
                 if where == self._gen.dir:
                     self._sig = sig
-                else:
-                    deadline = time.monotonic() + 60
-                    while self._gen.active and force and self._gen.dir != where:
+                elif force or not getattr(self._held, "n", 0):
+                    deadline = time.monotonic() + (60 if force else _READ_SWITCH_WAIT)
+                    while self._gen.active and self._gen.dir != where:
                         if time.monotonic() > deadline:
+                            if not force:
+                                break  # a read held open elsewhere: read in the older, consistent snapshot
                             raise StoreUnavailable(
                                 f"{self.path}: the store was compacted but this process keeps a transaction "
                                 "open on the old generation; finish it (no write inside a read) and retry"
                             )
-                        self._lock.wait(0.05)  # a write must wait for this process's open txns
+                        self._lock.wait(0.05)
                     # The lock was released while waiting: another thread may have switched.
                     where, _ = live_dir(self.path)
-                    if where != self._gen.dir and not self._gen.active:  # else: a read in an older, consistent snapshot
+                    if where != self._gen.dir and not self._gen.active:
                         new = self._open_live()
                         self._gen.close()
                         self._gen = new
                         self.env = new.env
                         self.db.replace(self._gen.db)
             self._gen.active += 1
+            self._held.n = getattr(self._held, "n", 0) + 1
             return self._gen
 
     def _release(self, gen: _Gen) -> None:
         with self._lock:
             gen.active -= 1
+            self._held.n -= 1
             self._lock.notify_all()
 
     def _begin(self, gen: _Gen, write: bool, buffers: bool, counted: bool = True) -> lmdb.Transaction:

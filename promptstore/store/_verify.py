@@ -32,7 +32,7 @@ class Maintenance:
         """See :meth:`PromptStore.verify`."""
         problems: List[Tuple[str, str]] = []
         newer: List[Tuple[str, str]] = []  # intact entries written by a newer promptstore: kept
-        bad: Dict[bytes, Optional[bytes]] = {}  # entry key -> the manifest bytes found damaged
+        bad: Dict[bytes, Tuple[Optional[bytes], str]] = {}  # entry key -> (the manifest bytes found damaged, in generation)
         db = self._db
         # One snapshot for the entry list and the chunk list: a put commits its
         # chunks and manifest together, so only true orphans differ between them.
@@ -48,13 +48,13 @@ class Maintenance:
         checked = 0
         for ekey in keys:
             eid = _keys.entry_id(ekey)
-            raw, err = self._look(ekey, eid)
+            raw, err, gen = self._look(ekey, eid)
             if raw is not None:
                 checked += 1
             gone: Set[str] = set()  # files found missing, each looked for again on a newer snapshot
             while isinstance(err, _blobs.Vanished) and err.blob not in gone and len(gone) < _LOOKS:
                 gone.add(err.blob)
-                raw, err = self._look(ekey, eid)
+                raw, err, gen = self._look(ekey, eid)
             if err is None:
                 continue  # intact, or deleted since the snapshot
             if isinstance(err, _blobs.Vanished) and err.blob not in gone:
@@ -64,12 +64,14 @@ class Maintenance:
                 continue
             problems.append((eid, str(err)))
             if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
-                bad[ekey] = raw
+                bad[ekey] = (raw, gen)
         if fix and (bad or orphans or stray or stray_packs or counts.wrong or counts.orphans):
             def write(txn) -> None:
-                for ekey, raw in bad.items():
+                for ekey, (raw, gen) in bad.items():
                     now = txn.get(ekey, db=db.entries)
-                    if now is not None and bytes(now) == raw:  # not replaced by a put since
+                    # Not replaced by a put since, and found damaged in this generation: a
+                    # compaction since may have been followed by a repack no manifest shows.
+                    if now is not None and bytes(now) == raw and gen == self._env.generation:
                         self._writer.unlink(txn, ekey, None)
                 for k in orphans:
                     if txn.get(owner_of_chunk(k), db=db.entries) is None:  # still no entry owns them
@@ -163,9 +165,10 @@ class Maintenance:
         for pack in _packing.rebuild(txn, db, lambda key: _budget.ref_size(txn.get(key, db=db.refs))):
             self._writer.unlink_pack_later(pack)
 
-    def _look(self, ekey: bytes, eid: str) -> Tuple[Optional[bytes], Optional[PromptStoreError]]:
+    def _look(self, ekey: bytes, eid: str) -> Tuple[Optional[bytes], Optional[PromptStoreError], str]:
         """Check the entry at ``ekey`` in a new snapshot: its manifest there
-        (None: no entry) and what reading it met (None: intact).
+        (None: no entry), what reading it met (None: intact) and the
+        generation the snapshot was of.
 
         A file the snapshot names can be gone by the time it is opened
         (:class:`~promptstore.format._blobs.Vanished`) without any damage: a
@@ -173,12 +176,13 @@ class Maintenance:
         or a repack (``_packing``) moved its blocks to a new pack and changed
         no manifest. Only the same file missing again, from a snapshot taken
         after the first look failed, is lost (``verify`` looks again)."""
-        raw = None
+        raw, gen = None, ""
         try:
             with self._env.read(buffers=True) as txn:  # one short transaction per look
+                gen = self._env.generation  # fixed while a transaction is open (Env._follow)
                 found = txn.get(ekey, db=self._db.entries)
                 if found is None:
-                    return None, None
+                    return None, None, gen
                 raw = bytes(found)
                 man = _entry.unpack_manifest(raw, f"{self.path} entry {eid}")
                 mid = model_of(ekey)
@@ -188,8 +192,8 @@ class Maintenance:
         except StoreClosed:
             raise  # closed by another thread: the rest was not checked, not found damaged
         except PromptStoreError as err:
-            return raw, err
-        return raw, None
+            return raw, err, gen
+        return raw, None, gen
 
     def upgrade_format(self, txn, fmt: int) -> None:
         """Bring a store of format ``fmt`` to this one's layout (``Env.check_format``):
