@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import pytest
 
@@ -204,3 +204,29 @@ def test_readme_serving_loop_is_the_example_and_runs(tmp_path):
         assert first.split("answer ", 1)[1] == second.split("answer ", 1)[1]
     docs = cli_json(tmp_path / "store", "ls")
     assert sorted(d["model_name"] for d in docs) == ["llama", "llama", "qwen3_next", "qwen3_next"]
+
+
+def test_an_empty_prompt_is_refused_and_the_server_keeps_serving(tmp_path):
+    """A /v1/completions request with an empty prompt killed mlx-lm's
+    generation thread (its BatchGenerator raised outside any try): every later
+    request got "generation thread died" and /health 503 until a restart."""
+    store, log = tmp_path / "store", tmp_path / "server.log"
+    with Server(store, "llama", log) as srv:
+        def complete(prompt: str) -> Tuple[int, dict]:
+            body = json.dumps({"prompt": prompt, "max_tokens": 3, "temperature": 0}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.load(r)
+            except urllib.error.HTTPError as err:
+                return err.code, json.loads(err.read() or b"{}")
+
+        assert complete("Hello")[0] == 200
+        status, doc = complete("")
+        assert 400 <= status < 500 and "empty" in json.dumps(doc), (status, doc)
+        status, doc = complete("Hello")
+        assert status == 200 and doc["choices"][0]["text"], doc
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=10) as r:
+            assert r.status == 200
+        srv.stop()

@@ -230,7 +230,9 @@ def _generator_class(mlx_server):
     ("terminate called without an active exception"; mlx-lm's own server
     does that on Ctrl-C with mlx 0.32); and which, for a model whose cache
     cannot always be trimmed (hybrid), checkpoints a chat at the end of its
-    messages too (:func:`split_at_messages_end`)."""
+    messages too (:func:`split_at_messages_end`); and which refuses an empty
+    prompt as the request's error (mlx-lm 0.32's BatchGenerator raised on it
+    in the generation thread, which then served no request again)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -244,6 +246,8 @@ def _generator_class(mlx_server):
 
         def _tokenize(self, tokenizer, request, args):
             prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            if not prompt:  # mlx-lm's batch would raise on it outside any try: its generation thread died
+                raise ValueError("the prompt is empty: there is nothing to generate from")
             if request.request_type == "chat" and vision is None and not self._always_trimmable():
                 segments, types = split_at_messages_end(tokenizer, request.messages, prompt, segments, types)
             return prompt, segments, types, state, vision
