@@ -46,7 +46,8 @@ def import_(obj, margs, pargs, file, meta_pairs, trust_unverified, as_json):
     loaded = load(margs)
     tokens = encode(loaded.tokenizer, text, messages, pargs) if pargs.given else None
     info = import_mlx_cache_file(
-        store, loaded.identity, file, tokens=tokens, model=loaded.model, meta=meta, trust_unverified=trust_unverified
+        store, loaded.identity, file, tokens=tokens, model=loaded.model, meta=meta, trust_unverified=trust_unverified,
+        also=[loaded.legacy] if loaded.legacy else [],
     )
     if as_json:
         emit_json(info_json(info))

@@ -221,3 +221,35 @@ def test_dense_model_messages_need_no_checkpoints_but_sliding_window_does(tmp_pa
     assert len(json.loads(res.stdout)["checkpoints"]) == 1
     res = runner.invoke(main, ["--store", store, "put", "--model", LLAMA, "--messages", str(f), "--no-checkpoints", "--json"])
     assert json.loads(res.stdout)["checkpoints"] == []
+
+
+def test_an_entry_under_the_older_folder_named_identity_exports_and_imports_back(tmp_path):
+    """get and export accept an entry an earlier release stored under the
+    model's folder-named identity; import refused that entry's own export
+    ("made by model 'mymodel@...', not 'llama@...'"): the same model."""
+    import shutil
+
+    from mlx_lm import load
+
+    from promptstore.identity import fingerprint, legacy_fingerprint
+
+    folder = tmp_path / "mymodel"
+    shutil.copytree(LLAMA, folder)
+    assert legacy_fingerprint(folder) != fingerprint(folder)
+    model, tok = load(str(folder))
+    tokens = encode_prompt(tok, "Hello there, an entry from an older release.")
+    cache = prefill(model, tokens)
+    with PromptStore(tmp_path / "old") as s:
+        key = s.put(legacy_fingerprint(folder), tokens, cache).id
+    out = tmp_path / "e.safetensors"
+    cli = [sys.executable, "-m", "promptstore.cli"]
+    run(cli + ["export", key, "--model", str(folder), "-o", str(out)], tmp_path / "old")
+    res = run(cli + ["import", "--model", str(folder), str(out), "--json"], tmp_path / "new")
+    assert json.loads(res.stdout)["model"] == fingerprint(folder)
+    with PromptStore(tmp_path / "new") as s:
+        back = s.get(fingerprint(folder), tokens)
+    from _samples import assert_same, visible_state
+
+    assert len(back) == len(cache)
+    for a, b in zip(cache, back):
+        assert_same(visible_state(a), visible_state(b))

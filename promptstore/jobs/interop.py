@@ -318,6 +318,7 @@ def import_mlx_cache_file(
     model: Any = None,
     meta: Optional[Dict[str, Any]] = None,
     trust_unverified: bool = False,
+    also: Sequence[str] = (),
 ):
     """Store the cache of an mlx-lm prompt-cache file under ``fingerprint``.
 
@@ -346,6 +347,9 @@ def import_mlx_cache_file(
             it (without it, a file that records no tokens is unverified).
         meta: user metadata for the entry.
         trust_unverified: store a file whose end cannot be checked.
+        also: other identities of the same model a file may record (the
+            folder-named one of older releases, which its entries were
+            stored and exported under); the entry goes under ``fingerprint``.
 
     Returns:
         The stored EntryInfo.
@@ -362,7 +366,7 @@ def import_mlx_cache_file(
             ints within ``model``'s vocabulary.
     """
     f = read_mlx_cache_file(path)
-    if f.fingerprint is not None and f.fingerprint != fingerprint:
+    if f.fingerprint is not None and f.fingerprint != fingerprint and f.fingerprint not in also:
         raise ModelMismatch(f"{path}: made by model {f.fingerprint!r}, not {fingerprint!r}; import it with the model it was made by")
     if tokens is None:
         if f.tokens is None:
