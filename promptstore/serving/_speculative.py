@@ -115,6 +115,26 @@ def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
     return stream_generate
 
 
+def refusal(max_tokens: int, logits_processors: Any, kv_bits: Any, num_draft_tokens: int,
+            input_embeddings: Any = None) -> Optional[str]:
+    """Why a request cannot be served with a draft model, or None. The
+    server asks before it answers (``_server``'s ``_serve_single``): raised
+    from inside the generator, the reason reached only the server's log
+    (the client had its 200 and then an empty answer)."""
+    if max_tokens == 0:
+        return "Maximum number of tokens must be non-zero (use -1 for no limit)."
+    if logits_processors:
+        return ("speculative decoding (promptstore serve --draft-model) takes no logits "
+                "processors: drop repetition/presence penalties and logit bias from the request")
+    if kv_bits is not None:
+        return "speculative decoding (promptstore serve --draft-model) does not quantize the KV cache: serve without --kv-bits"
+    if input_embeddings is not None:
+        return "Speculative decoding does not support input embeddings."
+    if num_draft_tokens < 1:
+        return f"num_draft_tokens must be >= 1 with a draft model, got {num_draft_tokens}"
+    return None
+
+
 def _speculative(model, tokenizer, prompt, max_tokens: int, draft_model, counters: DraftCounters,
                  checkpoint: Optional[Callable[[List[Any]], None]], *, prompt_cache: Optional[List[Any]] = None, sampler=None, logits_processors=None,
                  num_draft_tokens: int = 2, prefill_step_size: int = 2048, input_embeddings=None,
@@ -123,18 +143,9 @@ def _speculative(model, tokenizer, prompt, max_tokens: int, draft_model, counter
     from mlx_lm.generate import GenerationResponse
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    if max_tokens == 0:
-        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
-    if logits_processors:
-        raise ValueError("speculative decoding (promptstore serve --draft-model) takes no logits "
-                         "processors: drop repetition/presence penalties and logit bias from the request")
-    if kv_bits is not None:
-        raise ValueError("speculative decoding (promptstore serve --draft-model) does not quantize the KV cache: "
-                         "serve without --kv-bits")
-    if input_embeddings is not None:
-        raise ValueError("Speculative decoding does not support input embeddings.")
-    if num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1 with a draft model, got {num_draft_tokens}")
+    why = refusal(max_tokens, logits_processors, kv_bits, num_draft_tokens, input_embeddings)
+    if why is not None:
+        raise ValueError(why)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if not isinstance(prompt, mx.array):
