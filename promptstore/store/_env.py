@@ -43,11 +43,11 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 import lmdb
 
 from promptstore.format import _pages
-from promptstore.store._faults import check_size, check_tables, translate
+from promptstore.store._faults import open_tables, translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
 from promptstore.store._lmdbfile import CURRENT, live_dir
 from promptstore.store._schema import (
-    DUPSORT, FORMAT_KEY, OPTIONAL, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
+    FORMAT_KEY, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
 )
 from promptstore.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedVersion
 
@@ -257,7 +257,7 @@ class Env:
             raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
         for tries in range(3):
             try:
-                return _Gen(env, self._open_tables(env, where), name, where)
+                return _Gen(env, open_tables(env, where, self.readonly), name, where)
             except lmdb.MapResizedError:  # another process grew the map as we opened: adopt its size
                 if tries == 2:
                     env.close()
@@ -271,27 +271,6 @@ class Env:
                 raise
         raise AssertionError("unreachable")
 
-    def _open_tables(self, env: lmdb.Environment, where: Path) -> Dict[bytes, Any]:
-        """Check a freshly opened environment and open its tables."""
-        check_size(env, where)
-        env.reader_check()
-        check_tables(env, where)
-        db = {}
-        if self.readonly:
-            # py-lmdb ends a read transaction by aborting it, which would leave
-            # handles opened in it invalid: let open_db run its own transaction.
-            for dbname in TABLES:
-                try:
-                    db[dbname] = env.open_db(dbname, create=False, dupsort=dbname in DUPSORT)
-                except lmdb.NotFoundError:
-                    if dbname in OPTIONAL:  # a store older than these tables
-                        continue
-                    raise
-        else:
-            with env.begin(write=True) as txn:
-                for dbname in TABLES:
-                    db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in DUPSORT)
-        return db
 
     @property
     def dir(self) -> Path:
@@ -322,20 +301,14 @@ class Env:
 
     def _follow(self, force: bool = False) -> _Gen:
         """The generation to start a transaction in, switching to the live one
-        once this process has no transaction open in the old one.
-
-        Transactions of one process share its one open generation (the
-        tables in :attr:`db` are its handles), so a switch waits for those
-        in flight to end. New ones wait with it: a process whose threads
-        keep reads overlapping (a busy server) used to stay on the old
-        generation, frozen at the compaction, while pack and blob files that
-        both generations name were unlinked by commits in the new one; its
-        intact entries then read as lost. A thread that already holds a
-        transaction here reads on in that snapshot's generation (waiting
-        would wait for itself); a read waits at most
-        :data:`_READ_SWITCH_WAIT` seconds for the others, then does the same.
-        A write (``force``) waits up to a minute, then fails.
-        """
+        once no transaction of this process is open in the old one (they all
+        use the one generation's table handles in :attr:`db`). New ones wait
+        for that: a busy process whose reads overlapped stayed on the frozen
+        old generation while the new one's commits unlinked pack and blob
+        files both name, and its intact entries read as lost. A thread holding
+        a transaction here stays (it would wait for itself); a read waits at
+        most :data:`_READ_SWITCH_WAIT` s, then reads the older snapshot; a
+        write (``force``) waits a minute, then fails."""
         with self._lock:
             sig = _signature(self.path)
             if force or sig != self._sig:

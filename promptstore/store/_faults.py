@@ -13,13 +13,13 @@ import errno
 import os
 import resource
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import lmdb
 
 from promptstore.errors import StoreError, StoreFull, StoreUnavailable
 from promptstore.store import _lmdbfile
-from promptstore.store._schema import TABLES
+from promptstore.store._schema import DUPSORT, OPTIONAL, TABLES
 
 _PROBE = 8 << 20  # bytes a failed commit's probe tries to reserve
 
@@ -126,3 +126,26 @@ def translate(err: lmdb.Error, path: Path, stage: str) -> StoreError:
     if isinstance(err, lmdb.ReadonlyError):
         return StoreUnavailable(f"{path}: {stage}: the store is read-only ({text})")
     return StoreError(f"{path}: {stage}: {type(err).__name__}: {text}")
+
+
+def open_tables(env: lmdb.Environment, where: Path, readonly: bool) -> Dict[bytes, Any]:
+    """Check a freshly opened environment and open its tables."""
+    check_size(env, where)
+    env.reader_check()
+    check_tables(env, where)
+    db = {}
+    if readonly:
+        # py-lmdb ends a read transaction by aborting it, which would leave
+        # handles opened in it invalid: let open_db run its own transaction.
+        for dbname in TABLES:
+            try:
+                db[dbname] = env.open_db(dbname, create=False, dupsort=dbname in DUPSORT)
+            except lmdb.NotFoundError:
+                if dbname in OPTIONAL:  # a store older than these tables
+                    continue
+                raise
+    else:
+        with env.begin(write=True) as txn:
+            for dbname in TABLES:
+                db[dbname] = env.open_db(dbname, txn=txn, create=True, dupsort=dbname in DUPSORT)
+    return db

@@ -12,6 +12,7 @@ listing), :class:`~promptstore.store._usage.Usage` (last use, counters),
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 from promptstore import rows
 from promptstore._paths import default_path, store_path
 from promptstore.codecs import encode_layer, is_trimmable
-from promptstore.errors import InvalidInput, PromptStoreError, StoreError
+from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
@@ -38,7 +39,7 @@ from promptstore.store._results import EntryInfo, GcReport, Hit, SalvageReport, 
 from promptstore.store._salvage import salvage as _salvage
 from promptstore.store._upgrade import upgrade as _upgrade
 from promptstore.store._schema import Tables
-from promptstore.store._usage import Usage
+from promptstore.store._usage import Usage, try_flush
 from promptstore.store._verify import Maintenance
 from promptstore.store._write import EntryWriter, check_coverage
 
@@ -116,12 +117,10 @@ class PromptStore:
     # -- lifecycle -----------------------------------------------------------
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
-        """Flush recorded usage and close the store; safe while other threads use it.
-        A flush that fails (a full disk) is logged, not raised: last-use times
-        are advisory.
-
-        New operations raise StoreClosed from the call on; those in flight in
-        other threads finish, then usage is flushed and the files close
+        """Flush recorded usage (a failure is logged: it is advisory) and close
+        the store; safe while other threads use it. New operations raise
+        StoreClosed from the call on; those in flight in other threads finish,
+        then usage is flushed and the files close
         (the rules: :meth:`promptstore.store._gate.Gate.close`). An operation of
         several transactions (``verify``, ``gc``) cut by it raises StoreClosed.
         In a forked child it only drops this object's reference.
@@ -137,8 +136,9 @@ class PromptStore:
         env = self._env
         if env is None:
             return
+        last = functools.partial(try_flush, self.flush, "at close failed (they are dropped)")
         try:
-            env.close(timeout, last=self._flush_at_close if os.getpid() == env.pid else None)
+            env.close(timeout, last=last if os.getpid() == env.pid else None)
         finally:
             if env.closed or os.getpid() != env.pid:
                 self._env = None
@@ -179,19 +179,8 @@ class PromptStore:
         """Write recorded last-use times and hit counters (done on every put,
         on close, and in the background within ``Usage.FLUSH_EVERY`` seconds
         of a read; a store opened read-only keeps them to itself)."""
-        if self.env.readonly:
-            return
-        if self._usage.pending():
+        if not self.env.readonly and self._usage.pending():
             self.env.write(self._usage.flush_in)
-
-    def _flush_at_close(self) -> None:
-        """:meth:`flush`, where a failure (a full disk) is a warning: the
-        operations it records were done, and their last-use times are
-        advisory (the background flush treats them so too)."""
-        try:
-            self.flush()
-        except StoreError as err:
-            log.warning("promptstore: recording last uses at close failed (they are dropped): %s", err)
 
     def _flush_soon(self) -> None:
         """Have recorded usage written within ``Usage.FLUSH_EVERY`` seconds, in the background."""

@@ -95,13 +95,19 @@ class Usage:
     def _flush_later(self, env: Env, flush: Callable[[], None]) -> None:
         if env.wait_closing(self.wait()):
             return
-        try:
-            flush()
-        except StoreClosed:
-            pass
-        except PromptStoreError as err:
-            log.warning("promptstore: recording last uses failed (retried at the next write): %s", err)
+        try_flush(flush, "failed (retried at the next write)")
 
     def counters(self, txn) -> Dict[str, int]:
         """Hits and misses as stored (by every process, after their flush)."""
         return {what: u64_or(txn.get(stat_key(what), db=self._db.info)) for what in COUNTERS}
+
+
+def try_flush(flush: Callable[[], None], failed: str) -> None:
+    """Run ``flush``; a failure (a full disk) is a warning that says ``failed``:
+    last-use times are advisory, and what they record was done."""
+    try:
+        flush()
+    except StoreClosed:
+        pass
+    except PromptStoreError as err:
+        log.warning("promptstore: recording last uses %s: %s", failed, err)
