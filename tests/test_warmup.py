@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import ROOT, backend, load_fixture
-from promptstore import PromptStore
+from promptstore import CorruptEntry, PromptStore
 from promptstore import warmup
 from promptstore.cli import main
 from promptstore.codecs import encode_layer
@@ -304,3 +304,42 @@ def test_a_budget_stops_the_job_before_it_evicts_what_it_warmed(tmp_path, batch_
         assert sum(e.nbytes for e in entries) == summary.bytes and st.usage() <= 200_000
         again = warmup(st, mdir, PROMPTS, batch_size=batch_size, checkpoint_every=0, loaded=(model, tok))
         assert again.skipped == summary.stored  # what it stored is still there for a resumed job
+
+
+def test_one_bad_row_fails_only_its_own_line_in_a_batch(tmp_path):
+    """An id over the meta limit (stored as meta["warmup"]) failed the whole
+    batch it was prefilled in: "stored 4, failed 5", every line with its
+    reason. It is a line error now; and a row whose put fails in a batch is
+    found by putting the batch's rows one at a time."""
+    model, tok, fp, mdir = load_fixture("llama")
+    lines = [{"id": "a", "prompt": "First fine prompt about caches."},
+             {"id": "b", "prompt": "Second fine prompt about caches, longer."},
+             {"id": "x" * ((1 << 20) + 1), "prompt": "Third prompt, whose id is too long to store."},
+             {"id": "d", "prompt": "Fourth fine prompt about caches, the longest of them all here."},
+             {"id": "e", "prompt": "Fifth."}]
+    with PromptStore(tmp_path / "s") as st:
+        s = warmup(st, mdir, lines, batch_size=8, loaded=(model, tok))
+        assert (s.stored, s.failed) == (4, 1) and [e.line for e in s.errors] == [3]
+    bad = encode_prompt(tok, lines[3]["prompt"])
+
+    class FailsOneRow:  # the real store, whose put fails for one prompt's tokens
+        def __init__(self, store):
+            self._store = store
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+        def put(self, model_id, tokens, cache, **kw):
+            if list(tokens) == bad:
+                raise CorruptEntry("injected: this row's put fails")
+            return self._store.put(model_id, tokens, cache, **kw)
+
+    good = [line for k, line in enumerate(lines) if k != 2]
+    with PromptStore(tmp_path / "t") as st:
+        s = warmup(FailsOneRow(st), mdir, good, batch_size=8, loaded=(model, tok))
+        assert (s.stored, s.failed) == (3, 1) and [(e.line, e.id) for e in s.errors] == [(3, "d")]
+        assert "injected" in s.errors[0].reason
+        assert len(list(st.entries())) == 3
+        for line in good:
+            tokens = encode_prompt(tok, line["prompt"])
+            assert st.exists(fp, tokens) == (tokens != bad)

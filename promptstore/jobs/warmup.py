@@ -148,11 +148,10 @@ def _check_record(obj: Any) -> Tuple[Any, Optional[str]]:
                 return rid, f'messages[{j}] must be an object with string "role" and "content"'
     if "meta" in obj and not isinstance(obj["meta"], dict):
         return rid, '"meta" must be an object'
-    if "meta" in obj:
-        try:  # the store's own check, here so that one bad line never fails the batch it is prefilled in
-            check_meta(obj["meta"])
-        except InvalidInput as err:
-            return rid, str(err)
+    try:  # the store's own check of the meta stored (the id goes in it), so one bad line never fails its batch
+        check_meta({**obj.get("meta", {}), **({"warmup": str(rid)} if rid is not None else {})})
+    except InvalidInput as err:
+        return rid, str(err)
     return rid, None
 
 
@@ -542,6 +541,11 @@ def warmup(
             stopped = str(err)
             break
         except PromptStoreError as err:
+            if len(group) > 1:  # find the row at fault: the rest one at a time (those stored stay stored and counted)
+                left = [p for p in group if not store.exists(model_id, p.tokens)]
+                groups[gi : gi + 1] = [[p] for p in left]
+                job._tick(prompts=len(group) - len(left))
+                continue
             for p in group:
                 errors.append(LineError(p.record.line, p.record.id, f"{type(err).__name__}: {err}"))
             job._tick(prompts=len(group))
