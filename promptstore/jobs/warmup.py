@@ -214,12 +214,20 @@ def read_prompts(source: Union[str, os.PathLike, Iterable[Dict[str, Any]]]) -> T
 
 @dataclass
 class _Plan:
-    """One prompt to prefill: its tokens, checkpoint positions and metas."""
+    """One prompt to prefill: its tokens, checkpoint positions and metas.
+
+    ``splits`` are where its prefill stops, every checkpoint position the
+    prompt itself calls for; ``cuts`` those of them stored by this job (not
+    already stored, nor claimed by another prompt). The cache at a split can
+    depend on where prefill stopped before it (a sliding window's layout,
+    quantized values), so the splits never depend on what the store holds:
+    a resumed job stores what an uninterrupted one does."""
 
     record: PromptRecord
     tokens: List[int]
     cuts: Dict[int, Dict[str, Any]]  # checkpoint length -> entry meta
     meta: Dict[str, Any]
+    splits: Tuple[int, ...] = ()
 
 
 def _batchable(model: Any, options: CacheOptions) -> bool:
@@ -323,7 +331,7 @@ class _Job:
         x = mx.array([[0] * pad + p.tokens for pad, p in zip(pads, plans)])
         events: Dict[int, List[Tuple[int, int]]] = {}
         for i, p in enumerate(plans):
-            for n in p.cuts:
+            for n in p.splits:
                 events.setdefault(pads[i] + n, []).append((i, n))
         pos = 0
         for stop in sorted(set(events) | {L}):
@@ -337,7 +345,8 @@ class _Job:
                 pos += n
                 self._tick(tokens=live)
             for i, n in events.get(stop, ()):
-                self._emit(i, plans[i], n, self._row(cache, i, rows), False, sink)
+                if n in plans[i].cuts:
+                    self._emit(i, plans[i], n, self._row(cache, i, rows), False, sink)
         for i, p in enumerate(plans):
             self._emit(i, p, len(p.tokens), self._row(cache, i, rows), True, sink)
 
@@ -421,7 +430,7 @@ def _plan(records: List[PromptRecord], tokenizer: Any, store, model_id: str, how
                     cuts[n] = {"checkpoint": "boundary"}
         meta = dict(rec.meta or {})
         meta["warmup"] = str(rec.id) if rec.id is not None else f"line {rec.line}"
-        plans.append(_Plan(rec, tokens, cuts, meta))
+        plans.append(_Plan(rec, tokens, cuts, meta, tuple(sorted(cuts))))
     # A checkpoint equal to another prompt is that prompt's entry; a checkpoint
     # shared by several prompts is stored once (by the first in length order),
     # and one already in the store is not stored again.
