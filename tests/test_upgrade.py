@@ -112,3 +112,30 @@ def test_upgrade_leaves_damaged_entries_and_is_off_without_shared_blocks(tmp_pat
     assert len(report.problems) == 1 and not report.bad_counts
     assert same(store.get(MODEL, list(range(600)))[0], c2)
     store.close()
+
+
+def test_compact_sweeps_the_pointer_file_a_killed_compaction_left(tmp_path):
+    """A compaction killed between writing ``CURRENT.<pid>.tmp`` and renaming
+    it left that file for good; the next compaction removes those of dead
+    processes, never one of a live process."""
+    import subprocess
+
+    path = tmp_path / "s"
+    kv = KVCache()
+    kv.update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
+    with PromptStore(path) as s:
+        s.put("m@x", [1, 2, 3], [kv])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        (path / f"CURRENT.{dead.pid}.tmp").write_text("gen-9\n")
+        (path / f"CURRENT.{live.pid}.tmp").write_text("gen-9\n")  # a live process's: left alone
+        with PromptStore(path) as s:
+            s.compact()
+            assert s.get("m@x", [1, 2, 3]) is not None
+        assert not (path / f"CURRENT.{dead.pid}.tmp").exists()
+        assert (path / f"CURRENT.{live.pid}.tmp").exists()
+    finally:
+        live.kill()
+        live.wait()

@@ -45,7 +45,7 @@ import lmdb
 from promptstore.format import _pages
 from promptstore.store._faults import open_tables, translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
-from promptstore.store._lmdbfile import CURRENT, live_dir
+from promptstore.store._lmdbfile import CURRENT, live_dir, sweep_pointers
 from promptstore.store._schema import (
     FORMAT_KEY, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
 )
@@ -568,6 +568,7 @@ class Env:
             suffix = d.name[4:]
             if suffix.isdigit() and int(suffix) <= upto and d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
+        sweep_pointers(self.path)
 
     def data_file(self) -> _pages.DataFile:
         """The live generation's data file as mapped here, its mapping re-read

@@ -159,3 +159,20 @@ def live_data_size(store: Path) -> int:
         except FileNotFoundError:  # CURRENT read just before a compaction moved on
             time.sleep(0.01)
     raise StoreUnavailable(f"{store}: the live generation's data file is not found; another process may be compacting the store")
+
+
+def sweep_pointers(path: Path) -> None:
+    """Unlink the ``CURRENT.<pid>.tmp`` files that compactions killed before
+    their rename left in store folder ``path`` (those of live processes are
+    theirs to rename)."""
+    for tmp in path.glob(f"{CURRENT}.*.tmp"):
+        pid = tmp.name[len(CURRENT) + 1 : -len(".tmp")]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # another user's live process
+            continue
