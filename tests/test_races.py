@@ -264,3 +264,85 @@ def test_opening_a_store_while_another_process_grows_its_map(tmp_path):
         writer.wait()
     with PromptStore(path) as s:
         assert s.verify().ok and len(list(s.entries())) > 0
+
+
+def _compact_and_put(path, tokens) -> None:
+    """Another process compacts the store, then puts ``tokens``."""
+    code = (
+        "import sys, mlx.core as mx; from mlx_lm.models.cache import KVCache; from promptstore import PromptStore\n"
+        f"with PromptStore({str(path)!r}) as s:\n"
+        "    s.compact(); c = KVCache(); k = mx.ones((1, 2, " + str(len(tokens)) + ", 8)); c.update_and_fetch(k, k)\n"
+        f"    s.put('m@races', {list(tokens)!r}, [c])\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_read_that_ends_on_another_thread_does_not_pin_the_old_generation(tmp_path):
+    """A generator over a read, started on one thread and closed on another:
+    the count of transactions each thread holds went wrong (one at 1, the
+    other at -1, or an AttributeError), and both threads then read the old
+    generation for good after a compaction."""
+    import threading
+
+    path = tmp_path / "s"
+    with PromptStore(path) as s:
+        s.put("m@races", [1, 2, 3], _kv(3, 1))
+        s.put("m@races", [4, 5, 6], _kv(3, 2))
+    store = PromptStore(path)
+    try:
+        def keys():
+            with store.env.read() as txn:
+                yield from txn.cursor(db=store.env.db.entries).iternext(values=False)
+
+        walk = keys()
+        next(walk)  # begun here
+        other = threading.Thread(target=walk.close)  # ended there
+        other.start()
+        other.join()
+        _compact_and_put(path, [7, 8, 9])
+        assert store.get("m@races", [7, 8, 9]) is not None and store.env.generation == "gen-1"
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(store.get("m@races", [7, 8, 9]) is not None))
+        other.start()
+        other.join()
+        assert seen == [True]
+    finally:
+        store.close()
+
+
+def test_reads_wait_once_for_a_read_held_past_the_wait(tmp_path, monkeypatch):
+    """A read held open on one thread keeps the process on the old generation;
+    another thread's read waits for it at most ``_READ_SWITCH_WAIT`` seconds,
+    once: every read waited the full time again."""
+    import threading
+
+    from promptstore.store import _env
+
+    monkeypatch.setattr(_env, "_READ_SWITCH_WAIT", 1.0)
+    path = tmp_path / "s"
+    with PromptStore(path) as s:
+        s.put("m@races", [1, 2, 3], _kv(3, 1))
+    store = PromptStore(path)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():
+        with store.env.read():
+            holding.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        holding.wait()
+        _compact_and_put(path, [7, 8, 9])
+        times = []
+        for _ in range(3):
+            t = time.monotonic()
+            assert store.get("m@races", [1, 2, 3]) is not None  # the old snapshot, consistent
+            times.append(time.monotonic() - t)
+        assert times[0] >= 1.0 and max(times[1:]) < 0.5, times
+    finally:
+        done.set()
+        holder.join()
+    assert store.get("m@races", [7, 8, 9]) is not None and store.env.generation == "gen-1"
+    store.close()

@@ -106,7 +106,9 @@ class Env:
         self.db = Tables()
         self._lock = threading.Condition()
         self._pending = threading.local()  # callbacks to run once this thread's write commits
-        self._held = threading.local()  # n: transactions this thread has open (counted in a generation's active)
+        self._token = threading.local()  # a token per thread (ids are reused, tokens are not)
+        self._held: Dict[object, int] = {}  # thread token -> its transactions open (counted in a generation's active)
+        self._stuck: Optional[Path] = None  # a read gave up waiting to switch there: reads no longer wait
         self._gate = Gate(path, self._lock, lambda: self._gen.close())  # operations in flight; close()
         if not readonly:
             try:
@@ -299,7 +301,7 @@ class Env:
 
     # -- generation switch -----------------------------------------------------
 
-    def _follow(self, force: bool = False) -> _Gen:
+    def _follow(self, force: bool = False, write: bool = False) -> Tuple[_Gen, object]:
         """The generation to start a transaction in, switching to the live one
         once no transaction of this process is open in the old one (they all
         use the one generation's table handles in :attr:`db`). New ones wait
@@ -307,19 +309,27 @@ class Env:
         old generation while the new one's commits unlinked pack and blob
         files both name, and its intact entries read as lost. A thread holding
         a transaction here stays (it would wait for itself); a read waits at
-        most :data:`_READ_SWITCH_WAIT` s, then reads the older snapshot; a
-        write (``force``) waits a minute, then fails."""
+        most :data:`_READ_SWITCH_WAIT` s, then reads the older snapshot (and
+        later reads do not wait until the switch); a write (``write`` or
+        ``force``) waits a minute, then fails. Returns the generation and the
+        thread's token, which :meth:`_release` takes (a transaction may end
+        on another thread: a generator's)."""
+        token = getattr(self._token, "t", None)
+        if token is None:
+            token = self._token.t = object()
         with self._lock:
             sig = _signature(self.path)
             if force or sig != self._sig:
                 where, _ = live_dir(self.path)
+                waits = force or write or (not self._held.get(token) and self._stuck != where)
                 if where == self._gen.dir:
                     self._sig = sig
-                elif force or not getattr(self._held, "n", 0):
-                    deadline = time.monotonic() + (60 if force else _READ_SWITCH_WAIT)
-                    while self._gen.active and self._gen.dir != where:
+                elif waits or not self._gen.active:
+                    deadline = time.monotonic() + (_READ_SWITCH_WAIT if not (force or write) else 60)
+                    while waits and self._gen.active and self._gen.dir != where:
                         if time.monotonic() > deadline:
-                            if not force:
+                            if not (force or write):
+                                self._stuck = where
                                 break  # a read held open elsewhere: read in the older, consistent snapshot
                             raise StoreUnavailable(
                                 f"{self.path}: the store was compacted but this process keeps a transaction "
@@ -331,17 +341,19 @@ class Env:
                     if where != self._gen.dir and not self._gen.active:
                         new = self._open_live()
                         self._gen.close()
-                        self._gen = new
+                        self._gen, self._stuck = new, None
                         self.env = new.env
                         self.db.replace(self._gen.db)
             self._gen.active += 1
-            self._held.n = getattr(self._held, "n", 0) + 1
-            return self._gen
+            self._held[token] = self._held.get(token, 0) + 1
+            return self._gen, token
 
-    def _release(self, gen: _Gen) -> None:
+    def _release(self, gen: _Gen, token: object) -> None:
         with self._lock:
             gen.active -= 1
-            self._held.n -= 1
+            left = self._held.pop(token) - 1
+            if left:
+                self._held[token] = left
             self._lock.notify_all()
 
     def _begin(self, gen: _Gen, write: bool, buffers: bool, counted: bool = True) -> lmdb.Transaction:
@@ -404,7 +416,7 @@ class Env:
         self.check_pid()
         me = self._gate.enter()
         try:
-            gen = self._follow()
+            gen, token = self._follow()
             try:
                 txn = self._begin(gen, False, buffers)
                 try:
@@ -414,7 +426,7 @@ class Env:
                 finally:
                     txn.abort()
             finally:
-                self._release(gen)
+                self._release(gen, token)
         finally:
             self._gate.leave(me)
 
@@ -449,7 +461,7 @@ class Env:
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         moved = False
         while True:
-            gen = self._follow(force=moved)
+            gen, token = self._follow(force=moved, write=True)
             moved = False
             try:
                 txn = self._begin(gen, True, False)
@@ -480,7 +492,7 @@ class Env:
                     raise
             finally:
                 self._pending.calls = None
-                self._release(gen)
+                self._release(gen, token)
 
     # -- compaction --------------------------------------------------------------
 
@@ -501,7 +513,7 @@ class Env:
 
     def _compact(self) -> Tuple[int, int]:
         while True:
-            gen = self._follow(force=True)
+            gen, token = self._follow(force=True)
             try:
                 wtxn = self._begin(gen, True, False)  # hold the writer lock: no commit may land in the old file
                 try:
@@ -551,9 +563,8 @@ class Env:
                 cls = StoreFull if full else StoreError
                 raise cls(f"{self.path}: compact: {err}; the store is unchanged" + ("; free disk space" if full else "")) from err
             finally:
-                self._release(gen)
-            self._follow(force=True)
-            self._release(self._gen)
+                self._release(gen, token)
+            self._release(*self._follow(force=True))
             return before, after
 
     def _remove_old(self, upto: int) -> None:
