@@ -23,6 +23,7 @@ from promptstore.codecs._registry import (
     rows_for_layer,
     storage_kind,
     trim_cache,
+    trim_floor,
     unregister,
 )
 
@@ -55,5 +56,6 @@ __all__ = [
     "rows_for_layer",
     "storage_kind",
     "trim_cache",
+    "trim_floor",
     "unregister",
 ]

@@ -20,7 +20,7 @@ moves alone with :func:`register_rows`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -28,6 +28,7 @@ from promptstore.errors import (
     CorruptEntry,
     InvalidInput,
     MissingCapability,
+    PromptStoreError,
     UnknownStorageKind,
     UnsupportedVersion,
 )
@@ -337,6 +338,19 @@ def is_trimmable(cache: Sequence[Any]) -> bool:
         UnknownStorageKind: a layer's exact class has no codec.
     """
     return all(codec_for_layer(layer).trimmable(layer) for layer in cache)
+
+
+def trim_floor(layers: Iterable[Tuple[str, Meta]]) -> int:
+    """The fewest tokens an entry of these stored layers (``(kind, meta)``
+    each) can be trimmed down to (``Codec.trim_floor``); a layer of an
+    unknown kind adds nothing (its restore fails closed)."""
+    floor = 0
+    for kind, meta in layers:
+        try:
+            floor = max(floor, codec_for_kind(kind).trim_floor(meta))
+        except PromptStoreError:
+            continue
+    return floor
 
 
 def trim_cache(cache: Sequence[Any], n: int) -> None:

@@ -260,3 +260,26 @@ def test_acl_user_limited_to_its_namespace(tmp_path, request, kind):
         c.put(MODEL, t, cache)
         c.remote.flush(10)
         assert c.remote.stats()["errors"] >= 1 and c.remote.stats().get("published", 0) == 0
+
+
+def test_a_chunked_window_past_its_first_chunk_is_no_remote_prefix(tmp_path, remote_url):
+    """The remote lookup trimmed such an entry below its start (a 136-token
+    cache for 100 tokens); with the local fix it raised MissingCapability
+    from lookup instead, every time, even with a local prefix to return."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    c = ChunkedKVCache(64)
+    c.update_and_fetch(det((1, 2, 200, 32), mx.bfloat16, 0), det((1, 2, 200, 32), mx.bfloat16, 1))
+    c.maybe_trim_front()
+    assert c.start_position == 136
+    t = toks(200)
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        a.put(MODEL, t, [c])
+        assert a.remote.flush(10)
+        query = t[:100] + [7, 7]
+        assert b.lookup(MODEL, query) is None
+        b.put(MODEL, t[:64], kv_cache(64, layers=1))
+        assert b.lookup(MODEL, query).matched == 64
+        hit = b.lookup(MODEL, t[:150] + [7])  # inside the kept chunk: trimmed to 150
+        assert hit.matched == 150 and (hit.cache[0].offset, hit.cache[0].start_position) == (150, 136)

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from promptstore.format._blocks import ADDRESS
-from promptstore.codecs import codec_for_kind, decode_layer
+from promptstore.codecs import codec_for_kind, decode_layer, trim_floor
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
 
 FORMAT = 4  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file,
@@ -155,15 +155,7 @@ class Manifest:
         """Whether a trim can bring this entry down to ``n`` tokens: every
         layer still holds its tokens back to ``n`` (see ``Codec.trim_floor``;
         a layer of an unknown kind says nothing here, its restore fails)."""
-        if n >= len(self.tokens):
-            return True
-        for layer in self.layers:
-            try:
-                if codec_for_kind(layer.kind).trim_floor(layer.meta) > n:
-                    return False
-            except PromptStoreError:
-                continue
-        return True
+        return n >= len(self.tokens) or trim_floor((layer.kind, layer.meta) for layer in self.layers) <= n
 
     def payload_only(self) -> "Manifest":
         """This manifest without its shared-block arrays: what the payload readers read."""

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from promptstore.codecs import Encoded, encode_layer
+from promptstore.codecs import Encoded, encode_layer, trim_floor
 from promptstore.errors import CorruptEntry, PromptStoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.remote import _wire
 from promptstore.remote._client import Client
@@ -212,6 +212,8 @@ class Remote:
                     continue  # another identity under a colliding id: never restored
                 m = _common(man.tokens, toks)
                 usable = m if m == len(man.tokens) else (m if man.trimmable else 0)
+                if usable < len(man.tokens) and trim_floor((layer.kind, layer.meta) for layer in man.layers) > usable:
+                    usable = 0  # a chunked window past its first chunk: it no longer holds those tokens
                 if usable > better_than:
                     found.append(Found(ekey, man, usable))
             if readable == len(wanted):
