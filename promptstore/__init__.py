@@ -21,6 +21,7 @@ from promptstore.errors import (
     PromptStoreError,
     RemoteCorrupt,
     RemoteError,
+    RemoteFull,
     RemoteMissing,
     RemoteUnavailable,
     RemoteURLError,

@@ -22,7 +22,8 @@ Messages say what failed, where (path or key) and what to do about it.
     └── RemoteError             the shared (remote) tier failed; the local tier answers
         ├── RemoteUnavailable   cannot connect, timed out, node or cluster down
         ├── RemoteCorrupt       (also CorruptEntry) a value fails its check
-        └── RemoteMissing       a manifest names a block the remote no longer holds
+        ├── RemoteMissing       a manifest names a block the remote no longer holds
+        └── RemoteFull          the remote refused a write: its memory is full (noeviction)
     (RemoteURLError, an InvalidInput: a remote URL the tier cannot use)
 """
 
@@ -48,6 +49,7 @@ __all__ = [
     "RemoteUnavailable",
     "RemoteCorrupt",
     "RemoteMissing",
+    "RemoteFull",
     "RemoteURLError",
 ]
 
@@ -153,6 +155,14 @@ class RemoteMissing(RemoteError):
     """A remote manifest names a block the remote no longer holds (evicted or deleted)."""
 
     kind = "missing"
+
+
+class RemoteFull(RemoteError):
+    """The remote refused a write because its memory is full (``maxmemory``
+    with the ``noeviction`` policy, Redis's ``OOM`` reply): the publish is
+    counted and dropped; reads go on."""
+
+    kind = "full"
 
 
 class RemoteURLError(InvalidInput):

@@ -370,3 +370,48 @@ def test_a_staged_fetch_from_a_paused_remote_waits_one_timeout(tmp_path, fresh_s
             fresh_single.resume()
         assert took < 5, took
         assert b.remote.stats()["errors.unavailable"] == 1
+
+
+def test_a_full_remote_under_noeviction_refuses_writes_and_reads_go_on(tmp_path, redis_binary):
+    """Redis's OOM reply to a publish (maxmemory, noeviction) was taken for an
+    unreachable remote: the tier cooled down for 5 s, dropping the next
+    publish and missing every read meanwhile, and the warning held the
+    block's raw bytes."""
+    server = start_server(redis_binary, tmp_path / "redis", extra=["--maxmemory", "8mb", "--maxmemory-policy", "noeviction"])
+    try:
+        url = url_of(server, "oom")
+        t, c = toks(300, seed=1), noise_cache(300, seed=1)
+        with PromptStore(tmp_path / "c", remote=url) as first:
+            first.put(MODEL, t, c)
+            assert first.remote.flush(10)
+        with PromptStore(tmp_path / "a", remote=url) as a:
+            for i in range(12):  # 12 x 2.4 MB through an 8 MB server that evicts nothing
+                a.put(MODEL, toks(4000, seed=10 + i), noise_cache(4000, seed=10 + i))
+            assert a.remote.flush(30)
+            st = a.remote.stats()
+            assert st.get("errors.full", 0) >= 1 and "errors.unavailable" not in st and "dropped" not in st, st
+            hit = a.lookup(MODEL, t)  # at once: no cool-down
+            assert hit is not None and hit.matched == len(t)
+            same(hit.cache, c)
+            assert a.remote.stats().get("skipped", 0) == 0
+    finally:
+        server.kill()
+
+
+def test_ls_remote_skips_a_key_of_another_type(tmp_path, redis_single):
+    """One key of another type under the namespace's manifest prefix made
+    `promptstore ls --remote` fail (WRONGTYPE for its whole batch)."""
+    import subprocess
+    import sys
+
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_single, ns)
+    published(tmp_path, url, n=300, seed=3)
+    from promptstore.remote._layout import Layout
+
+    bad = Layout(ns).manifest(b"\x01" * 36)
+    redis_single.client().hset(bad, b"x", b"y")
+    out = subprocess.run([sys.executable, "-m", "promptstore", "--store", str(tmp_path / "b"), "--remote", url, "ls", "--remote", "--json"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "300" in out.stdout

@@ -7,7 +7,7 @@ checked, written locally and restored. Layout of the keys: ``_layout``; the
 values: ``_wire``; faults: every one is a miss, counted (``_tier``).
 """
 
-from promptstore.errors import RemoteCorrupt, RemoteError, RemoteMissing, RemoteUnavailable, RemoteURLError
+from promptstore.errors import RemoteCorrupt, RemoteError, RemoteFull, RemoteMissing, RemoteUnavailable, RemoteURLError
 from promptstore.remote._layout import Layout
 from promptstore.remote._open import ENV, RemoteTier, open_remote
 from promptstore.remote._tier import Found, Key, Remote
@@ -22,6 +22,7 @@ __all__ = [
     "RemoteCorrupt",
     "RemoteError",
     "RemoteMissing",
+    "RemoteFull",
     "RemoteTier",
     "RemoteURL",
     "RemoteURLError",

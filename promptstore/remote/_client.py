@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from promptstore.errors import RemoteCorrupt, RemoteError, RemoteUnavailable, RemoteURLError
+from promptstore.errors import RemoteCorrupt, RemoteError, RemoteFull, RemoteUnavailable, RemoteURLError
 from promptstore.remote import _direct
 from promptstore.remote._url import RemoteURL
 
@@ -184,8 +184,15 @@ def _failure(url: RemoteURL, err: Exception) -> RemoteError:
     """The error a failed call raises: RemoteCorrupt when the server refused a
     key holding another type than the tier writes there (damage, or another
     program's key: the remote is up, and every other key still serves),
-    RemoteUnavailable otherwise (the tier then cools down)."""
-    if "WRONGTYPE" in str(err) and type(err).__name__ in ("ResponseError", "ReplyError"):
-        return RemoteCorrupt(f"remote {url}: a key holds a value of another type ({err})")
+    RemoteFull when it refused a write for want of memory (``OOM``, under
+    ``noeviction``: reads still serve), RemoteUnavailable otherwise (the
+    tier then cools down). A pipeline's error names its command and its
+    arguments (a block's bytes): only the reply is kept."""
+    text = str(err).split(" of pipeline caused error: ", 1)[-1][:300]
+    reply = type(err).__name__ in ("ResponseError", "ReplyError", "OutOfMemoryError")
+    if "WRONGTYPE" in text and reply:
+        return RemoteCorrupt(f"remote {url}: a key holds a value of another type ({text})")
+    if reply and (type(err).__name__ == "OutOfMemoryError" or text.startswith("OOM") or "> 'maxmemory'" in text):
+        return RemoteFull(f"remote {url}: it refused a write, its memory is full ({text}); raise maxmemory or use an eviction policy")
     what = "timed out" if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__ else "failed"
-    return RemoteUnavailable(f"remote {url} {what}: {type(err).__name__}: {err}")
+    return RemoteUnavailable(f"remote {url} {what}: {type(err).__name__}: {text}")

@@ -122,7 +122,9 @@ class Remote:
         Raises:
             RemoteUnavailable: the remote failed; what was written is
                 unreachable garbage at worst (blocks without a manifest),
-                which Redis's eviction reclaims.
+                which Redis's eviction reclaims (under ``noeviction``
+                nothing does: ``FLUSHDB`` or a new namespace).
+            RemoteFull: the remote's memory is full under ``noeviction``.
         """
         manifest, blocks = _wire.encode_entry(key.model, name, key.tokens, layers, trimmable, meta, created)
         addrs = list(blocks)
@@ -296,6 +298,13 @@ class Remote:
         self.count("misses")
         return None
 
+    def _get_one(self, key: bytes) -> Optional[bytes]:
+        """One key's value; b"" (corrupt when decoded) for a key of another type."""
+        try:
+            return self.client.get([key])[0]
+        except RemoteCorrupt:
+            return b""
+
     def entries(self) -> Iterator[Tuple[bytes, _wire.RManifest]]:
         """Every readable manifest of the namespace (a scan: for ``ls --remote``).
 
@@ -305,7 +314,14 @@ class Remote:
         keys = list(self.client.scan(self.layout.manifest_pattern()))
         for i in range(0, len(keys), 256):
             batch = keys[i : i + 256]
-            for k, raw in zip(batch, self.client.get(batch)):
+            try:
+                values = self.client.get(batch)
+            except RemoteCorrupt:  # a key of another type: the batch's keys one at a time
+                values = [self._get_one(k) for k in batch]
+            for k, raw in zip(batch, values):
+                if raw is None:  # evicted or deleted since the scan
+                    self.count("stale_index")
+                    continue
                 try:
                     ekey = self.layout.ekey_of(k)
                     yield ekey, _wire.decode_manifest(raw, f"remote {k!r}")
