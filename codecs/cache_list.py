@@ -59,6 +59,11 @@ class CacheListRows(Rows):
             check_joinable(b, r, f"{where}.{j}")
 
 
+def _readable(rec) -> bool:
+    """Whether an inner layer's record has its kind and meta (a damaged one may not)."""
+    return isinstance(rec, dict) and isinstance(rec.get("kind"), str) and isinstance(rec.get("meta"), dict)
+
+
 class CacheListCodec(Codec):
     kind = "list"
     version = 1
@@ -98,8 +103,7 @@ class CacheListCodec(Codec):
             return None
         cut = []
         for rec in inner:
-            ok = isinstance(rec, dict) and isinstance(rec.get("kind"), str) and isinstance(rec.get("meta"), dict)
-            sub = codec_for_kind(rec["kind"]).prefix_meta(rec["meta"], n) if ok else None
+            sub = codec_for_kind(rec["kind"]).prefix_meta(rec["meta"], n) if _readable(rec) else None
             if sub is None:
                 return None
             cut.append({**rec, "meta": sub})
@@ -109,8 +113,7 @@ class CacheListCodec(Codec):
         inner = meta.get("inner")
         if not isinstance(inner, list):
             return 0
-        return max((codec_for_kind(rec["kind"]).trim_floor(rec["meta"]) for rec in inner
-                    if isinstance(rec, dict) and isinstance(rec.get("kind"), str) and isinstance(rec.get("meta"), dict)), default=0)
+        return max((codec_for_kind(rec["kind"]).trim_floor(rec["meta"]) for rec in inner if _readable(rec)), default=0)
 
     def coverage(self, layer):
         known = {n for n in (layer_coverage(c) for c in layer.caches) if n is not None}

@@ -7,9 +7,12 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
@@ -179,6 +182,27 @@ def test_verify_fix_keeps_an_entry_whose_pack_another_process_repacked(tmp_path)
         assert s.verify().ok and audit_blocks(s)
 
 
+@contextmanager
+def _read_held(store, seconds: float = 60.0):
+    """A read of ``store`` held open on another thread, from entering the
+    block until ``seconds`` have passed or the block is left."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():
+        with store.env.read():
+            holding.set()
+            done.wait(seconds)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait()
+    try:
+        yield
+    finally:
+        done.set()
+        holder.join()
+
+
 @pytest.mark.parametrize("stuck", [False, True], ids=["follows", "held-past-the-wait"])
 def test_a_busy_process_follows_a_compaction_and_keeps_its_intact_entries(tmp_path, monkeypatch, stuck):
     """Process A keeps a read open while process B compacts, deletes an entry
@@ -189,14 +213,10 @@ def test_a_busy_process_follows_a_compaction_and_keeps_its_intact_entries(tmp_pa
     for the held one (as if it were held past the wait), so they read the old
     generation; verify may report the entry, but its fix deletes only what it
     found damaged in the generation it writes to."""
-    import threading
-
     from promptstore.store import _env
 
     if stuck:
         monkeypatch.setattr(_env, "_READ_SWITCH_WAIT", 0.0)
-
-    import numpy as np
 
     def wide(conv: int, n: int):  # 16 KV heads: 8 KiB a token, so the dead bytes pass gc's 4 MiB floor
         system, own = np.random.default_rng(7), np.random.default_rng(conv)
@@ -214,27 +234,17 @@ def test_a_busy_process_follows_a_compaction_and_keeps_its_intact_entries(tmp_pa
         s.put(MODEL, *kept)
     packs = set(os.listdir(path / "packs"))
     store = PromptStore(path)
-    holding = threading.Event()
-
-    def hold():
-        with store.env.read():
-            holding.set()
-            time.sleep(2.0)
-
-    reader = threading.Thread(target=hold)
-    reader.start()
-    holding.wait()
-    code = f"from promptstore import PromptStore\nwith PromptStore({str(path)!r}) as s:\n    s.compact(); s.remove({gone_id!r}); s.gc()\n"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    assert not packs <= set(os.listdir(path / "packs"))  # the shared pack was rewritten, the old one unlinked
     try:
-        if not stuck:
-            assert same_cache(store.get(MODEL, kept[0]), kept[1])  # waits for the held read, then follows
-        report = store.verify(fix=True)
-        assert stuck or report.problems == ()
-        assert store.env.generation == "gen-1"
+        with _read_held(store, seconds=2.0):
+            code = f"from promptstore import PromptStore\nwith PromptStore({str(path)!r}) as s:\n    s.compact(); s.remove({gone_id!r}); s.gc()\n"
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+            assert not packs <= set(os.listdir(path / "packs"))  # the shared pack was rewritten, the old one unlinked
+            if not stuck:
+                assert same_cache(store.get(MODEL, kept[0]), kept[1])  # waits for the held read, then follows
+            report = store.verify(fix=True)
+            assert stuck or report.problems == ()
+            assert store.env.generation == "gen-1"
     finally:
-        reader.join()
         store.close()
     with PromptStore(path) as s:
         assert same_cache(s.get(MODEL, kept[0]), kept[1])
@@ -282,8 +292,6 @@ def test_a_read_that_ends_on_another_thread_does_not_pin_the_old_generation(tmp_
     the count of transactions each thread holds went wrong (one at 1, the
     other at -1, or an AttributeError), and both threads then read the old
     generation for good after a compaction."""
-    import threading
-
     path = tmp_path / "s"
     with PromptStore(path) as s:
         s.put("m@races", [1, 2, 3], _kv(3, 1))
@@ -314,8 +322,6 @@ def test_reads_wait_once_for_a_read_held_past_the_wait(tmp_path, monkeypatch):
     """A read held open on one thread keeps the process on the old generation;
     another thread's read waits for it at most ``_READ_SWITCH_WAIT`` seconds,
     once: every read waited the full time again."""
-    import threading
-
     from promptstore.store import _env
 
     monkeypatch.setattr(_env, "_READ_SWITCH_WAIT", 1.0)
@@ -323,17 +329,7 @@ def test_reads_wait_once_for_a_read_held_past_the_wait(tmp_path, monkeypatch):
     with PromptStore(path) as s:
         s.put("m@races", [1, 2, 3], _kv(3, 1))
     store = PromptStore(path)
-    holding, done = threading.Event(), threading.Event()
-
-    def hold():
-        with store.env.read():
-            holding.set()
-            done.wait(60)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        holding.wait()
+    with _read_held(store):
         _compact_and_put(path, [7, 8, 9])
         times = []
         for _ in range(3):
@@ -341,8 +337,5 @@ def test_reads_wait_once_for_a_read_held_past_the_wait(tmp_path, monkeypatch):
             assert store.get("m@races", [1, 2, 3]) is not None  # the old snapshot, consistent
             times.append(time.monotonic() - t)
         assert times[0] >= 1.0 and max(times[1:]) < 0.5, times
-    finally:
-        done.set()
-        holder.join()
     assert store.get("m@races", [7, 8, 9]) is not None and store.env.generation == "gen-1"
     store.close()

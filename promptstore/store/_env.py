@@ -273,7 +273,6 @@ class Env:
                 raise
         raise AssertionError("unreachable")
 
-
     @property
     def dir(self) -> Path:
         """The directory of the live generation's ``data.mdb``."""
@@ -321,14 +320,15 @@ class Env:
             sig = _signature(self.path)
             if force or sig != self._sig:
                 where, _ = live_dir(self.path)
-                waits = force or write or (not self._held.get(token) and self._stuck != where)
+                writing = force or write
+                waits = writing or (not self._held.get(token) and self._stuck != where)
                 if where == self._gen.dir:
                     self._sig = sig
                 elif waits or not self._gen.active:
-                    deadline = time.monotonic() + (_READ_SWITCH_WAIT if not (force or write) else 60)
+                    deadline = time.monotonic() + (60 if writing else _READ_SWITCH_WAIT)
                     while waits and self._gen.active and self._gen.dir != where:
                         if time.monotonic() > deadline:
-                            if not (force or write):
+                            if not writing:
                                 self._stuck = where
                                 break  # a read held open elsewhere: read in the older, consistent snapshot
                             raise StoreUnavailable(
