@@ -23,8 +23,8 @@ Messages say what failed, where (path or key) and what to do about it.
         ├── RemoteUnavailable   cannot connect, timed out, node or cluster down
         ├── RemoteCorrupt       (also CorruptEntry) a value fails its check
         ├── RemoteMissing       a manifest names a block the remote no longer holds
-        └── RemoteFull          the remote refused a write: its memory is full (noeviction)
-    (RemoteURLError, an InvalidInput: a remote URL the tier cannot use)
+        ├── RemoteFull          the remote refused a write: its memory is full (noeviction)
+        └── RemoteURLError      (also InvalidInput) a remote URL the tier cannot use
 """
 
 from __future__ import annotations
@@ -165,5 +165,11 @@ class RemoteFull(RemoteError):
     kind = "full"
 
 
-class RemoteURLError(InvalidInput):
-    """A remote URL the tier cannot use (scheme, host, port, db, namespace)."""
+class RemoteURLError(InvalidInput, RemoteError):
+    """A remote URL the tier cannot use (scheme, host, port, db, namespace).
+
+    Raised when the URL is given, or, for what only the server can tell (a
+    ``/db`` other than 0 on a Redis Cluster), when the tier first connects:
+    a store's reads then go on without the remote, as when it is unreachable."""
+
+    kind = "url"

@@ -75,6 +75,29 @@ def test_urls():
         PromptStore("/nonexistent/never-created", remote="memcached://h:1")
 
 
+def test_a_database_on_a_cluster_is_a_url_error(tmp_path, redis_cluster, redis_single, caplog):
+    """A cluster has only database 0: /1 in its URL is a RemoteURLError (it
+    was RemoteUnavailable, a cluster node refusing SELECT), raised by a
+    direct call and, for a store's reads, logged while the local tier answers."""
+    url = f"{redis_cluster.url}/1?ns=t{next(_ns)}"
+    with PromptStore(tmp_path / "c", remote=url) as s:
+        with pytest.raises(RemoteURLError, match="only database 0"):
+            list(s.remote.remote.entries())
+        with caplog.at_level("WARNING", logger="promptstore"):
+            s.put(MODEL, toks(100), kv_cache(100))  # its publish fails in the background
+            s.remote.flush(10)
+            hit = s.lookup(MODEL, toks(100) + [9])
+        assert hit is not None and hit.matched == 100
+        assert s.remote.stats()["errors.url"] >= 1 and "only database 0" in caplog.text
+    # a single server keeps its database: what /1 stores, /0 does not see
+    ns = f"t{next(_ns)}"
+    with PromptStore(tmp_path / "one", remote=f"{redis_single.url}/1?ns={ns}") as s1:
+        s1.put(MODEL, toks(64), kv_cache(64))
+        assert s1.remote.flush(10) and len(list(s1.remote.remote.entries())) == 1
+    with PromptStore(tmp_path / "zero", remote=f"{redis_single.url}/0?ns={ns}") as s0:
+        assert list(s0.remote.remote.entries()) == []
+
+
 def test_env_and_off(tmp_path, monkeypatch, redis_single):
     monkeypatch.setenv("PROMPTSTORE_REMOTE", url_of(redis_single, "envns"))
     with PromptStore(tmp_path / "a") as s:

@@ -55,11 +55,16 @@ class Client:
             socket_connect_timeout=u.timeout, ssl=u.tls, health_check_interval=0,
         )
         try:
-            probe = redis.Redis(host=u.host, port=u.port, db=u.db, retry=Retry(NoBackoff(), 0), **common)
+            # Probed on database 0: a cluster node refuses SELECT of any other,
+            # which would hide the real mistake (a /db in a cluster's URL).
+            probe = redis.Redis(host=u.host, port=u.port, db=0, retry=Retry(NoBackoff(), 0), **common)
             enabled = probe.info("cluster").get("cluster_enabled")
             if not enabled:
                 self.cluster = False
-                return probe
+                if not u.db:
+                    return probe
+                probe.close()
+                return redis.Redis(host=u.host, port=u.port, db=u.db, retry=Retry(NoBackoff(), 0), **common)
             probe.close()
             if u.db:
                 raise RemoteURLError(f"{u}: a Redis Cluster has only database 0")

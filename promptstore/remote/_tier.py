@@ -27,7 +27,7 @@ from promptstore.codecs import Encoded, encode_layer, trim_floor
 from promptstore.errors import CorruptEntry, PromptStoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.remote import _wire
 from promptstore.remote._client import Client
-from promptstore.errors import RemoteCorrupt, RemoteError, RemoteMissing, RemoteUnavailable
+from promptstore.errors import RemoteCorrupt, RemoteError, RemoteMissing, RemoteUnavailable, RemoteURLError
 from promptstore.remote._layout import NODE, Layout
 from promptstore.remote._url import RemoteURL, parse_url
 
@@ -81,7 +81,7 @@ class Remote:
         """Counters of this process: hits, misses, published, dropped, bytes
         fetched and published, blocks reused from the local tier, and errors
         by kind (``errors.unavailable``, ``errors.corrupt``, ``errors.missing``,
-        ``errors.newer``), ``skipped`` (calls not made while the remote cooled down)."""
+        ``errors.newer``, ``errors.full``, ``errors.url``), ``skipped`` (calls not made while the remote cooled down)."""
         with self._lock:
             return dict(self._counts)
 
@@ -91,7 +91,7 @@ class Remote:
         kind = "newer" if isinstance(err, (UnsupportedVersion, UnknownStorageKind)) else getattr(err, "kind", "corrupt")
         self.count(f"errors.{kind}")
         self.count("errors")
-        if isinstance(err, RemoteUnavailable):
+        if isinstance(err, (RemoteUnavailable, RemoteURLError)):
             self._down_until = time.monotonic() + self.cooldown
         with self._lock:
             first = kind not in self._logged
