@@ -443,3 +443,47 @@ def test_close_during_verify_stops_it_rather_than_reporting_damage(filled, monke
     monkeypatch.undo()
     with PromptStore(store.path) as again:
         assert again.verify().ok
+
+
+def test_a_second_open_in_one_process_is_refused_with_what_to_do(filled):
+    """py-lmdb refuses to open a store's files twice in one process: a second
+    PromptStore on the folder is StoreUnavailable saying to share the open
+    one (it was a StoreError quoting py-lmdb), and the first is unharmed."""
+    store, entries = filled
+    tokens, cache = entries[0]
+    with pytest.raises(StoreUnavailable, match="already open in this process.*share that PromptStore"):
+        PromptStore(store.path)
+    assert same_cache(store.get(MODEL, tokens), cache)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_is_told_why_it_cannot_open_the_parents_store(filled):
+    """A child forked while the parent had the store open cannot open it (the
+    old message told it to open a new PromptStore, which failed with
+    py-lmdb's "already open"): both ways say to open stores after the fork
+    or to use spawn; the parent's store still works."""
+    store, entries = filled
+    tokens, cache = entries[0]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        msgs = []
+        for attempt in (lambda: PromptStore(store.path), lambda: store.get(MODEL, tokens)):
+            try:
+                attempt()
+                msgs.append("opened")
+            except PromptStoreError as err:
+                msgs.append(f"{type(err).__name__}: {err}")
+            except BaseException as err:
+                msgs.append(f"other: {err!r}")
+        os.write(w, json.dumps(msgs).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    opened, used = json.loads(os.read(r, 65536).decode())
+    os.close(r)
+    assert opened.startswith("StoreUnavailable") and f"fork of process {os.getpid()}" in opened, opened
+    for msg in (opened, used):
+        assert "'spawn'" in msg and "open a new PromptStore in the child" not in msg, msg
+    assert same_cache(store.get(MODEL, tokens), cache)

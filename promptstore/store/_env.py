@@ -57,6 +57,9 @@ T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; grows on demand
 MAX_MAP_SIZE = 1 << 46
+# Store folders this process has open, each with the pid that opened it (a
+# fork copies the dict: an entry of another pid is the parent's, open in it).
+_OPENED: Dict[Path, int] = {}
 _READ_SWITCH_WAIT = 10.0  # seconds a read waits for this process's others to leave a compacted generation
 
 
@@ -109,7 +112,7 @@ class Env:
         self._token = threading.local()  # a token per thread (ids are reused, tokens are not)
         self._held: Dict[object, int] = {}  # thread token -> its transactions open (counted in a generation's active)
         self._stuck: Optional[Path] = None  # a read gave up waiting to switch there: reads no longer wait
-        self._gate = Gate(path, self._lock, lambda: self._gen.close())  # operations in flight; close()
+        self._gate = Gate(path, self._lock, self._close_files)  # operations in flight; close()
         if not readonly:
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -118,6 +121,11 @@ class Env:
         self._gen = self._open_live()
         self.env = self._gen.env
         self.db.replace(self._gen.db)
+        _OPENED[_folder(path)] = self.pid
+
+    def _close_files(self) -> None:
+        self._gen.close()
+        _OPENED.pop(_folder(self.path), None)
 
     # -- opening -------------------------------------------------------------
 
@@ -254,6 +262,8 @@ class Env:
                 log.info("promptstore: %s: lock file not writable; reading without LMDB's reader lock", where)
                 env = self._lmdb_open(where, name, lock=False)
         except lmdb.Error as err:
+            if "already open in this process" in str(err):
+                raise StoreUnavailable(_opened_here(self.path)) from err
             raise translate(err, where, "open") from err
         except OSError as err:
             raise StoreUnavailable(f"{where}: cannot open store ({err}); check the path and permissions") from err
@@ -295,7 +305,7 @@ class Env:
         if os.getpid() != self.pid:
             raise StoreUnavailable(
                 f"{self.path}: this PromptStore was opened in process {self.pid} and is used in "
-                f"{os.getpid()}; LMDB environments cannot cross fork(): open a new PromptStore in the child"
+                f"{os.getpid()}; LMDB environments cannot cross fork(): {_AFTER_FORK}"
             )
 
     # -- generation switch -----------------------------------------------------
@@ -598,3 +608,26 @@ class Env:
         if os.getpid() == self.pid:
             self._gate.close(timeout, last)
 
+
+
+_AFTER_FORK = ("open stores in the child only when the parent did not have them open as it forked, "
+               "or start workers with multiprocessing's 'spawn' or 'forkserver' method")
+
+
+def _folder(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except OSError:
+        return path.absolute()
+
+
+def _opened_here(path: Path) -> str:
+    """Why py-lmdb refused to open ``path`` again in this process."""
+    opener = _OPENED.get(_folder(path))
+    if opener is not None and opener != os.getpid():
+        return (f"{path}: this process is a fork of process {opener}, which had the store open when it "
+                f"forked; LMDB cannot open it again here (the parent's copy shares its files and locks): "
+                f"{_AFTER_FORK}")
+    return (f"{path}: the store is already open in this process (another PromptStore on this folder); "
+            "LMDB opens a store once per process: share that PromptStore (it serves any number of "
+            "threads) or close it first")
