@@ -1,4 +1,4 @@
-"""``promptstore compact``: rewrite the data file without its free pages."""
+"""``promptstore compact``: rewrite the data file without its free pages, packs without dead blocks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from promptstore.cli._common import command, emit_json, format_size, guarded, js
 @click.pass_obj
 @guarded
 def compact(obj, as_json):
-    """Rewrite the store compactly (LMDB files never shrink by themselves).
+    """Rewrite the store compactly (LMDB files never shrink by themselves),
+    and every pack file that holds blocks no entry uses any more.
 
     Entries written before shared prefixes are rewritten into shared blocks
     first, so a store of an older release stores each shared prefix once.

@@ -108,6 +108,40 @@ def test_a_pack_goes_when_its_last_block_does(tmp_path):
         assert store.verify().ok
 
 
+def pack_live(store) -> tuple:
+    """(bytes of blocks still referenced in pack files, number of such blocks)."""
+    with store.env.read() as txn:
+        live = sum(int.from_bytes(bytes(v[:8]), "big") for k, v in txn.cursor(db=store._db[b"packs"]) if bytes(k)[:1] == b"p")
+        placed = sum(1 for _ in txn.cursor(db=store._db[b"places"]))
+    return live, placed
+
+
+def test_compact_rewrites_packs_that_hold_dead_blocks(tmp_path):
+    """A pack keeps the blocks of a deleted entry that others do not use
+    until its dead bytes pass the repack threshold (4 MiB); ``compact``
+    rewrites every such pack (it left them: over a third of the packs' bytes here)."""
+    with PromptStore(tmp_path / "s") as store:
+        t_long, c_long = chat(2048)
+        t_half, c_half = chat(1024)
+        t_other, c_other = chat(700, seed=5)
+        store.put(MODEL, t_long, c_long)
+        store.put(MODEL, t_half, c_half)  # its blocks are the longer entry's first ones
+        store.put(MODEL, t_other, c_other)
+        store.delete(MODEL, t_long)
+        store.gc()
+        held = store._packs.nbytes()
+        live, _ = pack_live(store)
+        assert held - live > 0.3 * held  # gc leaves them (under the threshold)
+        before, after = store.compact()
+        assert before >= held and after < before
+        live, placed = pack_live(store)
+        footers = 24 * placed + 16 * len(packs(store))  # format._packs: per block and per pack
+        assert store._packs.nbytes() - live <= footers, (store._packs.nbytes(), live, footers)
+        assert same(store.get(MODEL, t_half), c_half) and same(store.get(MODEL, t_other), c_other)
+        audit_blocks(store), audit_packs(store)
+        assert store.usage() == stored_bytes(store) and store.verify().ok
+
+
 def test_eviction_removes_packs_and_keeps_the_budget(tmp_path):
     budget = 2_000_000
     with PromptStore(tmp_path / "s", budget=budget) as store:

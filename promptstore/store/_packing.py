@@ -149,9 +149,11 @@ def repack_due(txn, db: Tables) -> bool:
     return waste > DEAD_SHARE * sum(n for _, n, _ in packs(txn, db))
 
 
-def repack(txn, db: Tables, files: _packs.Packs, fresh: List[int], unlink_later: Callable[[int], None], where: str) -> int:
-    """Rewrite the sparsest packs until their dead bytes are under half of
-    :data:`DEAD_SHARE` of the live ones; returns the bytes moved. A pack
+def repack(txn, db: Tables, files: _packs.Packs, fresh: List[int], unlink_later: Callable[[int], None], where: str,
+           share: float = DEAD_SHARE / 2) -> int:
+    """Rewrite the sparsest packs until their dead bytes are at most
+    ``share`` of the live ones (by default half of :data:`DEAD_SHARE`; 0:
+    every pack with dead bytes beyond its footer); returns the bytes moved. A pack
     whose blocks cannot all be read back intact is left as it is (``verify``
     reports the entries that use it). New pack numbers are appended to
     ``fresh`` (a retried transaction unlinks them)."""
@@ -159,7 +161,7 @@ def repack(txn, db: Tables, files: _packs.Packs, fresh: List[int], unlink_later:
     live_total = sum(n for _, n, _ in table)
     moved = 0
     for pack, n, size in table:
-        if dead(txn, db) <= DEAD_SHARE / 2 * live_total:
+        if dead(txn, db) <= share * live_total:
             break
         live = members(txn, db, pack)
         if size - n <= len(_packs.footer([(b"", 0)] * len(live))):

@@ -563,8 +563,9 @@ class PromptStore:
         return self._capacity.pinned()
 
     def compact(self, upgrade: bool = True) -> Tuple[int, int]:
-        """Rewrite the data file without its free pages: ``(bytes before,
-        after)`` of the store's files (:meth:`file_size`).
+        """Rewrite the data file without its free pages, and every pack file
+        that holds blocks no entry uses any more without them: ``(bytes
+        before, after)`` of the store's files (:meth:`file_size`).
 
         With ``upgrade`` (and shared blocks on), entries of the older layouts
         are first rewritten into shared blocks (:meth:`upgrade`).
@@ -576,12 +577,13 @@ class PromptStore:
         Raises:
             StoreFull: no room for the copy (the store is unchanged).
         """
+        start = self._blobs.nbytes() + self._packs.nbytes()
         if upgrade:
             self.upgrade()
         self.flush()
-        others = self._blobs.nbytes() + self._packs.nbytes()
+        self.env.write(lambda txn: self._writer.repack(txn, [], every=True))
         before, after = self.env.compact()
-        return before + others, after + others
+        return before + start, after + self._blobs.nbytes() + self._packs.nbytes()
 
     def upgrade(self) -> int:
         """Rewrite entries of the older layouts (entry formats 1 and 2) whose

@@ -200,9 +200,12 @@ class EntryWriter:
         """Unlink pack file ``pack`` once the write transaction this thread is in commits."""
         self._env.after_commit(functools.partial(self._packs.unlink, pack))
 
-    def repack(self, txn, packs: List[int]) -> int:
+    def repack(self, txn, packs: List[int], every: bool = False) -> int:
         """Rewrite sparse pack files when their dead bytes pass the threshold
-        (``_packing``); returns the bytes moved."""
+        (``_packing``), or, with ``every``, each pack holding any dead block
+        (``compact``); returns the bytes moved."""
+        if every:
+            return _packing.repack(txn, self._db, self._packs, packs, self.unlink_pack_later, str(self.path), share=0.0)
         if not _packing.repack_due(txn, self._db):
             return 0
         return _packing.repack(txn, self._db, self._packs, packs, self.unlink_pack_later, str(self.path))
