@@ -40,6 +40,7 @@ def verify(obj, fix, as_json):
             "orphan_packs": report.orphan_packs,
             "bad_counts": report.bad_counts,
             "orphan_blocks": report.orphan_blocks,
+            "bad_accounting": report.bad_accounting,
             "fixed": report.fixed and not report.ok,
             "ok": report.ok,
         })
@@ -54,6 +55,8 @@ def verify(obj, fix, as_json):
             click.echo(f"{report.bad_counts} shared block(s) with a wrong reference count" + (" (repaired)" if fix else ""))
         if report.orphan_blocks:
             click.echo(f"{report.orphan_blocks} shared block(s) no entry references" + (" (removed)" if fix else ""))
+        if report.bad_accounting:
+            click.echo(f"{report.bad_accounting} wrong byte count(s) (entry sizes, store usage)" + (" (recounted)" if fix else ""))
         for count, what in ((report.orphan_blobs, "blob file(s) no entry names"), (report.orphan_packs, "pack file(s) the store does not record")):
             if count:
                 click.echo(f"{count} {what} (left by killed puts; " + ("removed)" if fix else "`promptstore gc` removes them)"), err=True)

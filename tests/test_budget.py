@@ -432,3 +432,37 @@ def test_file_size_follows_a_compaction_by_another_process(tmp_path):
         live = (tmp_path / "s" / "gen-1" / "data.mdb").stat().st_size
         assert store.file_size() == live + sum(p.stat().st_size for p in (tmp_path / "s").rglob("*") if p.suffix in (".pack", ".blob"))
         assert same_cache(store.get(MODEL, tokens), cache)
+
+
+@pytest.mark.parametrize("damage", ["usage", "size", "stray size"])
+def test_verify_finds_and_fix_recounts_wrong_byte_counts(tmp_path, damage):
+    """The usage counter and the entries' size records are checked by
+    verify against what is stored, and --fix recounts them; gc recounts a
+    size record from the manifest (it trusted a wrong one: usage 17x too high
+    after a gc, so the budget would have evicted for nothing). Reviewer's finding."""
+    from promptstore.store._schema import U64, USAGE_KEY
+
+    with PromptStore(tmp_path / "s", block_tokens=64) as store:
+        for turn in (1, 2):
+            store.put(MODEL, *chat_entry(0, turn))
+        true = store.usage()
+        assert true == true_usage(store) and store.verify().ok
+        first = min(store.entries(), key=lambda e: e.n_tokens)
+        ekey = ekey_of(store, first.id)
+        if damage == "usage":
+            store.env.write(lambda txn: txn.put(USAGE_KEY, U64.pack(true * 10), db=store._db.info))
+        elif damage == "size":
+            store.env.write(lambda txn: txn.put(ekey, U64.pack(5_000_000), db=store._db.sizes))
+        else:
+            store.env.write(lambda txn: txn.put(b"\x01" * len(ekey), U64.pack(7), db=store._db.sizes))
+        report = store.verify()
+        assert not report.ok and report.bad_accounting == 1 and not report.problems
+        fixed = store.verify(fix=True)
+        assert fixed.bad_accounting == 1 and store.verify().ok
+        assert store.usage() == true == true_usage(store)
+        store.gc()
+        assert store.usage() == true and len(ids(store)) == 2
+        if damage == "size":  # gc alone recounts it too
+            store.env.write(lambda txn: txn.put(ekey, U64.pack(5_000_000), db=store._db.sizes))
+            store.gc()
+            assert store.usage() == true and store.verify().ok

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import KVCache
 from promptstore import PromptStore, UnknownStorageKind, UnsupportedVersion
 from promptstore.cli import main
 from promptstore.store import _keys
+from promptstore.store._schema import U64
 
 MODEL = "m@0123456789abcdef"
 
@@ -42,11 +43,16 @@ def rewrite(store, tokens, change, reseal: bool = True) -> None:
     ekey = _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens))
 
     def write(txn):
-        doc = msgpack.unpackb(bytes(txn.get(ekey, db=store._db.entries)), raw=False)
+        old = bytes(txn.get(ekey, db=store._db.entries))
+        doc = msgpack.unpackb(old, raw=False)
         change(doc)
         raw = msgpack.packb(doc, use_bin_type=True)
         if reseal:
             raw = raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
+            # a writer counts its manifest's bytes in the entry's size and the store's usage
+            grown = len(raw) - len(old)
+            for table, key in ((store._db.sizes, ekey), (store._db.info, b"usage")):
+                txn.put(key, U64.pack(U64.unpack(bytes(txn.get(key, db=table)))[0] + grown), db=table)
         txn.put(ekey, raw, db=store._db.entries)
 
     store.env.write(write)

@@ -224,26 +224,45 @@ def evict(txn, db: Tables, budget: int, keep: Set[bytes], unlink: Unlink, freed:
     return [k for k, _ in victims]
 
 
-def recount(txn, db: Tables) -> int:
-    """Rebuild ``sizes`` and ``usage`` from the entries table and the shared
-    blocks; drop stale pins. An entry without a size record is counted from
-    its manifest (payload plus manifest), or by its manifest's length when
-    that cannot be read."""
+def accounting(txn, db: Tables) -> Tuple[Dict[bytes, int], int]:
+    """What ``sizes`` and ``usage`` should hold: each entry's own bytes
+    (payload plus manifest, as a put counts them; an entry whose manifest
+    cannot be read keeps its size record, else its manifest's length), and
+    their sum plus every shared block once."""
     live: Dict[bytes, int] = {}
-    sizes = db.sizes
     for k, raw in txn.cursor(db=db.entries):
         k = bytes(k)
-        have = txn.get(k, db=sizes)
-        if have is not None:
-            live[k] = u64_or(have)
-        else:
-            live[k] = _own_size(k, bytes(raw))
-            txn.put(k, U64.pack(live[k]), db=sizes)
+        own = _own_size(k, bytes(raw))
+        if own is None:
+            have = txn.get(k, db=db.sizes) if SIZES in db else None
+            own = u64_or(have) if have is not None else len(raw)
+        live[k] = own
+    return live, sum(live.values()) + block_bytes(txn, db)
+
+
+def wrong_accounting(txn, db: Tables) -> int:
+    """How many of the size records and the usage counter differ from
+    :func:`accounting` (a missing or stray size record counts as wrong)."""
+    if SIZES not in db:  # a store older than the table, opened read-only: nothing to compare
+        return 0
+    live, total = accounting(txn, db)
+    have = {bytes(k): u64_or(v, -1) for k, v in txn.cursor(db=db.sizes)}
+    wrong = sum(1 for k in set(live) | set(have) if live.get(k) != have.get(k))
+    return wrong + (usage(txn, db) != total)
+
+
+def recount(txn, db: Tables) -> int:
+    """Rebuild ``sizes`` and ``usage`` from the entries table and the shared
+    blocks (:func:`accounting`); drop stale pins."""
+    live, total = accounting(txn, db)
+    sizes = db.sizes
+    for k, own in live.items():
+        if u64_or(txn.get(k, db=sizes), -1) != own:
+            txn.put(k, U64.pack(own), db=sizes)
     for table in (SIZES, PINS):
         stale = [bytes(k) for k in txn.cursor(db=db[table]).iternext(keys=True, values=False) if bytes(k) not in live]
         for k in stale:
             txn.delete(k, db=db[table])
-    total = sum(live.values()) + block_bytes(txn, db)
     _set_usage(txn, db, total)
     return total
 
@@ -269,8 +288,9 @@ def ref_value(count: int, size: int) -> bytes:
     return U64.pack(count) + U64.pack(size)
 
 
-def _own_size(ekey: bytes, raw: bytes) -> int:
+def _own_size(ekey: bytes, raw: bytes) -> Optional[int]:
+    """An entry's own bytes (payload plus manifest); None when its manifest cannot be read."""
     try:
         return unpack_manifest(raw, entry_id(ekey)).payload + len(raw)
     except PromptStoreError:
-        return len(raw)
+        return None

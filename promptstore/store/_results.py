@@ -62,10 +62,11 @@ class VerifyReport:
     orphan_blocks: int = 0  # shared blocks no entry references
     newer: Tuple[Tuple[str, str], ...] = ()  # (entry id, why): intact, written by a newer promptstore; kept
     orphan_packs: int = 0  # pack files the store does not record: leftovers of killed puts, not damage
+    bad_accounting: int = 0  # entries' size records, and the usage counter, that differ from what is stored
 
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.orphan_chunks and not self.bad_counts and not self.orphan_blocks
+        return not (self.problems or self.orphan_chunks or self.bad_counts or self.orphan_blocks or self.bad_accounting)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class Maintenance:
             stray = self.stray_blobs(txn)
             stray_packs = self.stray_packs(txn)
             counts = self._counts(txn)
+            accounting = _budget.wrong_accounting(txn, db)
         checked = 0
         for ekey in keys:
             eid = _keys.entry_id(ekey)
@@ -65,7 +66,7 @@ class Maintenance:
             problems.append((eid, str(err)))
             if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
                 bad[ekey] = (raw, gen)
-        if fix and (bad or orphans or stray or stray_packs or counts.wrong or counts.orphans):
+        if fix and (bad or orphans or stray or stray_packs or counts.wrong or counts.orphans or accounting):
             def write(txn) -> None:
                 for ekey, (raw, gen) in bad.items():
                     now = txn.get(ekey, db=db.entries)
@@ -85,7 +86,7 @@ class Maintenance:
             self._env.write(write)
         return VerifyReport(
             checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer),
-            orphan_packs=len(stray_packs),
+            orphan_packs=len(stray_packs), bad_accounting=accounting,
         )
 
     def _counts(self, txn) -> "_Counts":
