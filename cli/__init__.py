@@ -9,7 +9,7 @@ import importlib
 
 import click
 
-from promptstore.cli._common import Ctx, Group, nonempty_store
+from promptstore.cli._common import Ctx, Group, global_store
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,9 +17,8 @@ from promptstore.cli._common import Ctx, Group, nonempty_store
     "--store",
     "store_path",
     envvar="PROMPTSTORE_DIR",
-    type=click.Path(file_okay=False),
     default=None,
-    callback=nonempty_store,
+    callback=global_store,
     help="Store directory [env PROMPTSTORE_DIR; default ~/.cache/promptstore].",
 )
 @click.option(

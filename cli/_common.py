@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Union
 import click
 
 from promptstore import InvalidInput, PromptStore, PromptStoreError, StoreUnavailable, default_path
+from promptstore._paths import user_path
 
 
 class Ctx:
@@ -30,7 +31,10 @@ class Ctx:
 
     @property
     def path(self) -> Path:
-        return Path(self.store_path).expanduser() if self.store_path else default_path()
+        path = user_path(self.store_path, "--store") if self.store_path else default_path()
+        if path.exists() and not path.is_dir():  # a folder given as --store was checked as it was parsed
+            raise InvalidInput(f"{path}: is a file, not a store folder ($PROMPTSTORE_DIR or --store)")
+        return path
 
     @property
     def store(self) -> PromptStore:
@@ -99,9 +103,14 @@ def check_output(path: str, hint: str = "-o") -> None:
     """Refuse, before any work, an output file whose folder is missing or not writable.
 
     Raises:
-        InvalidInput: naming the folder.
+        InvalidInput: naming the folder, or a name that is not UTF-8 (mlx
+            writes files by UTF-8 names only).
     """
-    folder = Path(path).expanduser().resolve().parent
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidInput(f"{hint} {path!r}: the name is not UTF-8 (character {err.start}); choose another name") from err
+    folder = user_path(path, hint).resolve().parent
     if not folder.is_dir():
         raise InvalidInput(f"{folder}: no such folder for {hint} {path}; create it first")
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -142,6 +151,16 @@ def nonempty_store(_ctx: click.Context, _param: click.Parameter, value: Optional
     one that reads."""
     if value == "":
         raise click.BadParameter("the store directory is empty; name one, or leave --store out for the default store")
+    return value
+
+
+def global_store(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    """The group's ``--store``: checked as a folder when given on the command
+    line; from ``$PROMPTSTORE_DIR`` only when used (``Ctx.path``), so that a
+    command's own ``--store`` still works beside a stale variable."""
+    value = nonempty_store(ctx, param, value)
+    if value is not None and ctx.get_parameter_source(param.name or "") is not click.core.ParameterSource.ENVIRONMENT:
+        click.Path(file_okay=False).convert(value, param, ctx)  # a usage error naming the file
     return value
 
 
@@ -227,7 +246,11 @@ def guarded(fn: Callable) -> Callable:
             if not as_json:
                 raise
             fail("UsageError", err.format_message(), as_json, code=2)
-        except (click.exceptions.Exit, click.Abort, SystemExit):
+        except click.Abort:  # no answer to a confirmation (end of input, Ctrl-C at the prompt)
+            if not as_json:
+                raise
+            fail("Aborted", "not confirmed; nothing was changed", as_json)
+        except (click.exceptions.Exit, SystemExit):
             raise
         except PromptStoreError as err:
             fail(type(err).__name__, str(err), as_json)

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import click
 
 from promptstore import InvalidInput
-from promptstore.jobs.prefill import check_messages, encode_prompt
+from promptstore.jobs.prefill import check_messages, check_text, encode_prompt
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ def _decode(data: bytes, where: str) -> str:
 
 
 def _read_stdin() -> str:
+    if sys.stdin is None:  # started with standard input closed
+        raise InvalidInput("--prompt - reads standard input, which is closed; pipe the prompt in or use --prompt-file")
     buffer = getattr(sys.stdin, "buffer", None)
     if buffer is None:  # a text-only stream: already decoded
         return sys.stdin.read()
@@ -113,6 +115,8 @@ def read_prompt(pargs: PromptArgs) -> Tuple[Optional[str], Optional[List[Any]]]:
         text, where = _read_stdin(), "standard input"
     else:
         text, where = str(pargs.prompt), "--prompt"
+    check_text(text, where)
+    check_text(pargs.system_prompt, "--system-prompt")
     if not text.strip():
         raise InvalidInput(f"the prompt ({where}) is empty; a cache of no prompt serves nothing")
     return text, None

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
 import click
 
 from promptstore import InvalidInput
+from promptstore._paths import user_path
 from promptstore.cli._model import identities
 
 MIN_KEY = 12
@@ -50,7 +50,7 @@ def model_filter(model: Optional[str]) -> Callable:
     ``ls`` shows it) or a whole identity string."""
     if model is None:
         return lambda info: True
-    path = Path(model).expanduser()
+    path = user_path(model, "--model")
     if (path / "config.json").is_file() or (not path.exists() and model.count("/") == 1 and "@" not in model):
         try:
             ids = set(identities(model))

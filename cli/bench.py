@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 
 import click
 
-from promptstore.cli._common import command, emit_json, format_size, guarded, json_option
+from promptstore.cli._common import check_output, command, emit_json, format_size, guarded, json_option
 from promptstore.bench import CASES, gbps, run
 
 
@@ -45,17 +45,19 @@ def bench(quick, out_file, scratch, only, as_json):
     unknown = sorted(set(cases or ()) - set(CASES))
     if unknown or cases == []:
         raise click.BadParameter(f"{', '.join(unknown) or 'no case'}: choose among {', '.join(CASES)}", param_hint="--only")
+    if out_file:
+        check_output(out_file, "--out")  # before a run of minutes, not after it
     results = run(quick=quick, workdir=Path(scratch) if scratch else None, progress=progress, only=cases)
     results["command"] = "promptstore bench" + "".join(
         f" {flag}" for flag, on in (("--quick", quick), ("--json", as_json)) if on
     ) + "".join(f" {flag} {value}" for flag, value in (("--out", out_file), ("--dir", scratch), ("--only", only)) if value)
     text = render(results)
-    if out_file:
-        Path(out_file).write_text(text)
-    if as_json:
+    if as_json:  # printed first: a file that cannot be written loses no result
         emit_json(results)
     else:
         click.echo(text)
+    if out_file:
+        Path(out_file).write_text(text)
 
 
 def _size(n: float) -> str:

@@ -29,7 +29,10 @@ def parse_bytes(text: str) -> int:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB, 100KiB)", param_hint="--budget")
     number, prefix, binary, _ = m.groups()
     power = " KMGT".index(prefix or " ")
-    size = int(Decimal(number) * (1024 if binary else 1000) ** power)  # exact: a float rounds large counts
+    exact = Decimal(number) * (1024 if binary else 1000) ** power  # exact: a float rounds large counts
+    if exact != exact.to_integral_value():
+        raise click.BadParameter(f"{text!r} is not a whole number of bytes", param_hint="--budget")
+    size = int(exact)
     try:
         check_budget(size)  # the API's own check, before the store is touched (dry run included)
     except InvalidInput as err:

@@ -8,7 +8,7 @@ import click
 
 from promptstore import InvalidInput
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
-from promptstore.cli._model import check_length, load, model_options
+from promptstore.cli._model import check_length, check_model, load, model_options
 from promptstore.cli._prompt import encode, prompt_options, read_prompt
 from promptstore.format._entry import check_meta
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints, prefill_with_checkpoints
@@ -36,9 +36,11 @@ def parse_meta(pairs) -> dict:
 def progress_bar(total: int):
     """A prefill progress bar on stderr (tokens, tokens/s); returns (bar, callback)."""
     bar = click.progressbar(length=total, label="prefill", file=sys.stderr, show_pos=True)
+    tty = sys.stderr.isatty()
 
     def progress(done, _total, secs):
-        bar.label = f"prefill {done / max(secs, 1e-9):,.0f} tok/s"
+        if tty:  # elsewhere click prints the label on every change: one line per update
+            bar.label = f"prefill {done / max(secs, 1e-9):,.0f} tok/s"
         bar.update(done - bar.pos)
 
     return bar, progress
@@ -68,6 +70,7 @@ def put(obj, margs, pargs, meta_pairs, checkpoints, as_json):
     """
     meta = parse_meta(meta_pairs)
     text, messages = read_prompt(pargs)
+    check_model(margs)  # a missing model creates no store
     store = obj.store  # a store this user cannot write fails here, before any prefill
     loaded = load(margs)
     tokens = encode(loaded.tokenizer, text, messages, pargs)

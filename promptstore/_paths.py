@@ -9,7 +9,21 @@ from typing import Any
 
 from promptstore.errors import InvalidInput
 
-__all__ = ["cache_root", "default_path", "store_path"]
+__all__ = ["cache_root", "default_path", "store_path", "user_path"]
+
+
+def user_path(path: Any, what: str = "path") -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded.
+
+    Raises:
+        InvalidInput: ``~user`` names no user on this machine, or no home
+            folder can be found for ``~``.
+    """
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as err:  # pathlib: "Could not determine home directory."
+        head = os.fspath(path).split(os.sep, 1)[0]
+        raise InvalidInput(f"{what} {os.fspath(path)!r}: {head!r} names no home folder on this machine") from err
 
 
 def cache_root() -> Path:
@@ -30,7 +44,7 @@ def default_path() -> Path:
     ``~/.cache``."""
     env = os.environ.get("PROMPTSTORE_DIR")
     if env:
-        return Path(env).expanduser()
+        return user_path(env, "$PROMPTSTORE_DIR")
     legacy = Path.home() / ".cache" / "promptstore"
     if not os.environ.get("XDG_CACHE_HOME") and legacy.is_dir():
         return legacy
@@ -54,4 +68,4 @@ def store_path(path: Any) -> Path:
         raise InvalidInput("the store path contains a NUL byte")
     if os.fspath(path) == "":
         raise InvalidInput("the store path is empty; name a folder (\".\" for the current one)")
-    return Path(path).expanduser()
+    return user_path(path, "the store path")

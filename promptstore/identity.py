@@ -30,10 +30,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
 import xxhash
 
-from promptstore._paths import cache_root
+from promptstore._paths import cache_root, user_path
 from promptstore.errors import InvalidInput
 
-__all__ = ["fingerprint", "legacy_fingerprint", "adapter_fingerprint", "model_name_of", "resolve_model", "context_length"]
+__all__ = ["fingerprint", "legacy_fingerprint", "adapter_fingerprint", "model_name_of", "resolve_model", "model_dir", "context_length"]
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -78,7 +78,7 @@ def _digest_cache_file() -> Path:
 def _load_digests() -> Dict[str, str]:
     try:
         data = json.loads(_digest_cache_file().read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a damaged cache file is recomputed
         return {}
     return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
 
@@ -110,6 +110,19 @@ def _model_files(path: Path) -> Tuple[Path, List[Path], List[Path]]:
     return config_path, weights, tokenizer_files
 
 
+def model_dir(model: Union[str, os.PathLike]) -> Path:
+    """The folder of a model (as ``resolve_model``), checked for a config
+    and weights without reading them: the quick check a command makes before
+    it opens a store.
+
+    Raises:
+        InvalidInput: not an mlx-lm model directory or cached Hugging Face id.
+    """
+    path = resolve_model(model)
+    _model_files(path)
+    return path
+
+
 def _stamp_key(files: List[Path]) -> str:
     """Every file's name, size, mtime, inode and device: a new value for any
     change to any of them (a copy has other inodes, so it is hashed once)."""
@@ -127,6 +140,8 @@ def _dir_digest(path: Path) -> Tuple[str, Dict[str, Any]]:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as err:
         raise InvalidInput(f"{config_path}: unreadable config ({err})") from err
+    except RecursionError as err:  # nested deeper than the parser recurses
+        raise InvalidInput(f"{config_path}: unreadable config (JSON nested too deeply)") from err
     if not isinstance(config, dict):
         raise InvalidInput(f"{config_path}: not a JSON object; pass an mlx-lm model directory")
     key = _stamp_key([config_path, *weights, *tokenizer_files])
@@ -182,7 +197,7 @@ def adapter_fingerprint(identity: str, adapter_path: Union[str, os.PathLike]) ->
         InvalidInput: the adapter folder lacks adapter_config.json or
             adapters.safetensors.
     """
-    path = Path(adapter_path).expanduser()
+    path = user_path(adapter_path, "the adapter folder")
     files = [path / f for f in _ADAPTER_FILES]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
@@ -203,7 +218,7 @@ def resolve_model(model: Union[str, os.PathLike]) -> Path:
     Raises:
         InvalidInput: neither a directory nor a model in the local cache.
     """
-    path = Path(model).expanduser()
+    path = user_path(model, "the model")
     if path.is_dir():
         return path
     text = str(model)

@@ -4,6 +4,9 @@ JSON under --json, never a traceback or an "unexpected" bug line, and the store 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -158,3 +161,138 @@ def test_an_empty_store_is_a_usage_error_for_every_command(tmp_path, monkeypatch
         err = json.loads(result.stdout)
         assert err["error"] == "UsageError" and "store directory is empty" in err["message"]
     assert list(tmp_path.iterdir()) == []  # nothing written here, nor a default store made
+
+
+# -- the second CLI review: bad input that surfaced as "a bug" or lost work -------------------
+
+
+def test_bench_out_into_a_missing_folder_is_refused_before_the_run(cli, tmp_path):
+    """The check came after the run: a full bench's minutes of results were lost."""
+    doc = js(cli("bench", "--quick", "--out", str(tmp_path / "nofolder" / "b.md"), "--json", code=1))
+    assert doc["error"] == "InvalidInput" and "nofolder" in doc["message"] and "--out" in doc["message"]
+
+
+@pytest.mark.parametrize("flag", ["--prompt", "--system-prompt"])
+def test_a_prompt_that_is_not_utf8_is_invalid_input_and_creates_no_store(cli, tmp_path, flag):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates: the
+    tokenizer raised a TypeError, reported as the chat template refusing the messages."""
+    args = ["--prompt", "caf\udce9"] if flag == "--prompt" else ["--prompt", "hi", "--system-prompt", "caf\udce9"]
+    doc = js(cli("put", "--model", LLAMA, *args, "--json", code=1))
+    assert doc["error"] == "InvalidInput" and f"{flag} is not UTF-8" in doc["message"]
+    assert not (tmp_path / "store").exists()
+
+
+def test_encode_prompt_refuses_text_that_is_not_utf8():
+    from promptstore import InvalidInput
+    from promptstore.jobs.prefill import encode_prompt
+
+    class Tok:
+        has_chat_template = False
+
+        def encode(self, text):  # pragma: no cover - never reached
+            raise AssertionError("encoded")
+
+    for kwargs, what in (({"prompt": "a\udcff"}, "the prompt"),
+                         ({"messages": [{"role": "user", "content": "a\udcff"}]}, "message 0's content")):
+        with pytest.raises(InvalidInput, match=f"{what} is not UTF-8"):
+            encode_prompt(Tok(), **kwargs)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--store", "~nosuchuser_ps/s", "ls"],
+    ["put", "--model", "~nosuchuser_ps/m", "--prompt", "hi"],
+    ["ls", "--model", "~nosuchuser_ps/m"],
+    ["get", "--model", LLAMA, "--prompt", "keep me", "-o", "~nosuchuser_ps/x.safetensors"],
+])
+def test_a_tilde_user_that_does_not_exist_is_invalid_input(cli, stored, argv):
+    """pathlib raises RuntimeError for ~user of no user: it was 'a bug'."""
+    before = _listing(cli)
+    doc = js(cli(*argv, "--json", code=1))
+    assert doc["error"] == "InvalidInput" and "'~nosuchuser_ps' names no home folder" in doc["message"], doc
+    assert _listing(cli) == before
+
+
+def test_a_stale_promptstore_dir_does_not_break_a_command_given_its_own_store(tmp_path, monkeypatch, stored, cli):
+    """$PROMPTSTORE_DIR naming a file made every command a usage error, even with
+    ``--store`` after the command; it is an error only where it is used."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("PROMPTSTORE_DIR", str(afile))
+    runner = CliRunner()
+    ok = runner.invoke(main, ["ls", "--store", cli.store_dir, "--json"])
+    assert ok.exit_code == 0 and [e["id"] for e in json.loads(ok.stdout)] == [stored]
+    bad = runner.invoke(main, ["ls", "--json"])
+    assert bad.exit_code == 1 and json.loads(bad.stdout)["error"] == "InvalidInput" and "is a file" in bad.stdout
+    assert afile.read_text() == ""
+
+
+def test_a_model_config_nested_too_deeply_is_invalid_input(cli, tmp_path):
+    model = tmp_path / "deepmodel"
+    model.mkdir()
+    (model / "config.json").write_text("[" * 100_000)
+    (model / "model.safetensors").write_bytes(b"")
+    doc = js(cli("put", "--model", str(model), "--prompt", "hi", "--json", code=1))
+    assert doc["error"] == "InvalidInput" and "nested too deeply" in doc["message"]
+
+
+def test_an_import_whose_token_metadata_is_nested_too_deeply_is_a_corrupt_file(cli, stored, tmp_path):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+    from promptstore.jobs.interop import TOKENS_KEY
+
+    layer = KVCache()
+    layer.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    path = tmp_path / "deep.safetensors"
+    save_prompt_cache(str(path), [layer, layer], {TOKENS_KEY: "[" * 100_000})
+    before = _listing(cli)
+    doc = js(cli("import", str(path), "--model", LLAMA, "--json", code=1))
+    assert doc["error"] == "CorruptEntry" and "nested too deeply" in doc["message"]
+    assert _listing(cli) == before
+
+
+def test_prompt_from_a_closed_standard_input_is_invalid_input(tmp_path):
+    """With file descriptor 0 closed, ``sys.stdin`` is None: an AttributeError before."""
+    res = subprocess.run(
+        [sys.executable, "-m", "promptstore", "--store", str(tmp_path / "s"), "put", "--model", LLAMA, "--prompt", "-", "--json"],
+        preexec_fn=lambda: os.close(0), capture_output=True, text=True, timeout=120,
+    )
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and doc["error"] == "InvalidInput" and "standard input, which is closed" in doc["message"]
+    assert not (tmp_path / "s").exists()
+
+
+def test_no_answer_to_a_confirmation_is_json_under_json(cli, stored, monkeypatch):
+    """End of input at rm's question printed click's 'Aborted!' where --json promises JSON."""
+    monkeypatch.setattr("promptstore.cli.rm.interactive", lambda: True)
+    result = CliRunner().invoke(main, ["--store", cli.store_dir, "rm", stored, "--json"], input="")
+    assert result.exit_code == 1 and json.loads(result.stdout.splitlines()[-1])["error"] == "Aborted"
+    assert [e[0] for e in _listing(cli)] == [stored]
+
+
+def test_an_output_name_that_is_not_utf8_is_invalid_input(cli, stored, tmp_path):
+    """mlx writes by UTF-8 names only: it raised std::bad_cast, reported as a full disk."""
+    doc = js(cli("export", stored, "--model", LLAMA, "-o", str(tmp_path / "caf\udce9.safetensors"), "--json", code=1))
+    assert doc["error"] == "InvalidInput" and "not UTF-8" in doc["message"]
+
+
+@pytest.mark.parametrize("budget", ["0.5", "1.0001KB", ".3"])
+def test_a_budget_of_a_fraction_of_a_byte_is_a_usage_error(cli, stored, budget):
+    """``--budget 0.5`` set a budget of 0 bytes."""
+    doc = js(cli("gc", "--budget", budget, "--yes", "--json", code=2))
+    assert doc["error"] == "UsageError" and "whole number of bytes" in doc["message"]
+    with PromptStore(cli.store_dir) as st:
+        assert st.budget is None and [i.id for i in st.entries()] == [stored]
+
+
+def test_a_put_of_a_missing_model_creates_no_store(cli, tmp_path):
+    for cmd in (["put", "--prompt", "hi"], ["warmup", str(tmp_path / "p.jsonl")]):
+        (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+        doc = js(cli(*cmd, "--model", str(tmp_path / "nomodel"), "--json", code=1))
+        assert doc["error"] == "InvalidInput" and "nomodel" in doc["message"]
+        assert not (tmp_path / "store").exists()
+
+
+def test_put_progress_without_a_terminal_is_one_line(cli):
+    result = cli("put", "--model", LLAMA, "--prompt", "a longer prompt " * 40)
+    assert result.stderr.count("prefill") == 1, result.stderr

@@ -226,6 +226,8 @@ def read_mlx_cache_file(path: PathLike) -> MlxCacheFile:
             recorded = json.loads(metadata[TOKENS_KEY])
         except (ValueError, TypeError) as err:
             raise CorruptEntry(f"{path}: metadata {TOKENS_KEY!r} is damaged ({err})") from err
+        except RecursionError as err:  # nested deeper than the parser recurses
+            raise CorruptEntry(f"{path}: metadata {TOKENS_KEY!r} is damaged (JSON nested too deeply)") from err
         tokens = token_ids(recorded, None, f"{path}: metadata {TOKENS_KEY!r}", CorruptEntry)
         if len(tokens) != coverage:
             raise CorruptEntry(f"{path}: records {len(tokens)} token ids but its layers cover {coverage}")

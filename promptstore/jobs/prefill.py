@@ -71,6 +71,21 @@ def load_model(path: str, adapter_path: Optional[str] = None) -> Tuple[Any, Any]
         raise InvalidInput(f"{p}: cannot load {what}: {type(err).__name__}: {err}") from err
 
 
+def check_text(text: Any, what: str) -> None:
+    """Refuse a str that cannot be UTF-8 (a lone surrogate: bytes that were
+    not UTF-8, decoded as the command line decodes them).
+
+    Raises:
+        InvalidInput: naming ``what`` and where in it.
+    """
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidInput(f"{what} is not UTF-8 text (character {err.start} is {text[err.start]!r}: "
+                               "a byte that is not UTF-8); convert it first, e.g. with iconv") from err
+
+
 def check_messages(messages: Any) -> None:
     """Refuse anything but a non-empty list of ``{"role": str, "content": str | list}``.
 
@@ -89,6 +104,8 @@ def check_messages(messages: Any) -> None:
             raise InvalidInput(f"message {i}: \"role\" must be a string")
         if not isinstance(m["content"], (str, list)):
             raise InvalidInput(f"message {i}: \"content\" must be a string (or a list of content parts)")
+        check_text(m["role"], f"message {i}'s role")
+        check_text(m["content"], f"message {i}'s content")
 
 
 def _template(tokenizer: Any, messages: List[Dict[str, Any]], **kwargs: Any) -> List[int]:
@@ -119,6 +136,8 @@ def encode_prompt(
     """
     if (prompt is None) == (messages is None):
         raise InvalidInput("give exactly one of a prompt or messages")
+    check_text(prompt, "the prompt")
+    check_text(system_prompt, "the system prompt")
     has_template = getattr(tokenizer, "has_chat_template", False)
     use_template = chat_template and has_template
     if system_prompt is not None and not use_template:

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import lmdb
 
+from promptstore._paths import user_path
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
 from promptstore.format import _blobs, _entry, _packs, _payload
 from promptstore.store import _budget, _keys, _rawscan
@@ -147,7 +148,7 @@ def salvage(src, dst) -> SalvageReport:
         InvalidInput: ``dst`` exists and is not empty.
         StoreUnavailable: the source cannot be opened at all (the message says why).
     """
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    src, dst = user_path(src, "the store to salvage"), user_path(dst, "the salvage destination")
     if dst.exists() and not dst.is_dir():
         raise InvalidInput(f"{dst} is a file; salvage writes into a fresh directory")
     if dst.exists() and any(dst.iterdir()):
