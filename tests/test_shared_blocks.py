@@ -21,8 +21,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from _bits import bits_equal
-from _raw import flip_block, stored_block_sizes
-from _content import MODEL, same_cache
+from _raw import audit_blocks, block_place, flip_block, shared_block, stored_block_sizes, stored_bytes
+from _content import MODEL, chat_entry, same_cache
 from _workers import _drain, _say
 from conftest import load_fixture, sample_tokens
 from promptstore import PromptStore, UnsupportedVersion, salvage
@@ -361,3 +361,58 @@ def test_conversations_that_cannot_trim_share_a_short_system_prompt(tmp_path):
         for tokens, cache in convs:
             assert same_cache(store.get(MODEL, tokens), cache)
         assert store.verify().ok
+
+
+@pytest.mark.parametrize("conv", [0, 4])
+@pytest.mark.parametrize("delete_first", [True, False])
+def test_a_put_of_the_same_content_rewrites_a_shared_block_a_read_found_damaged(tmp_path, conv, delete_first):
+    """A damaged block two entries share stayed damaged for good: a put of an
+    intact cache of the same tokens found the block referenced, wrote nothing,
+    and its entry read as damaged again (a serving loop missed on that prefix
+    forever). A read that finds a block damaged now remembers it, and the next
+    put in the process that references it writes it again, for both entries."""
+    from promptstore import CorruptEntry
+
+    first, second = chat_entry(conv, 0), chat_entry(conv, 1)
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        a = store.put(MODEL, *first)
+        b = store.put(MODEL, *second)
+        key = shared_block(store, {a.id, b.id})
+        flip_block(store, key)
+        for tokens, _ in (first, second):
+            with pytest.raises(CorruptEntry, match=key.hex()):
+                store.get(MODEL, tokens)
+        if delete_first:
+            assert store.delete(MODEL, second[0])
+        store.put(MODEL, *second)
+        for tokens, cache in (first, second):
+            assert same_cache(store.get(MODEL, tokens), cache)
+        assert store.verify().ok and audit_blocks(store) and store.usage() == stored_bytes(store)
+
+
+def test_a_block_kept_in_lmdb_is_rewritten_too(tmp_path):
+    """The same for a block small enough to be an LMDB value rather than part of a pack file."""
+    from promptstore import CorruptEntry
+
+    first = chat_entry(0, 0)
+    with PromptStore(tmp_path / "s", shared_blocks=True, block_tokens=16) as store:
+        a = store.put(MODEL, first[0][:40], _cut(first[1], 40))
+        b = store.put(MODEL, first[0][:70], _cut(first[1], 70))
+        key = shared_block(store, {a.id, b.id})
+        assert block_place(store, key) is None
+        flip_block(store, key)
+        with pytest.raises(CorruptEntry, match=key.hex()):
+            store.get(MODEL, first[0][:70])
+        store.put(MODEL, first[0][:70], _cut(first[1], 70))
+        assert same_cache(store.get(MODEL, first[0][:40]), _cut(first[1], 40))
+        assert store.verify().ok and audit_blocks(store) and store.usage() == stored_bytes(store)
+
+
+def _cut(cache, n):
+    """A copy of a one-KVCache cache cut to its first ``n`` positions."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    kv = KVCache()
+    kv.update_and_fetch(mx.array(cache[0].keys[..., :n, :]), mx.array(cache[0].values[..., :n, :]))
+    return [kv]

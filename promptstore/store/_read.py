@@ -26,12 +26,13 @@ snapshot, and tells a deleted entry from a lost file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -59,6 +60,9 @@ class Reader:
         self._db = tables
         self._blobs = blobs
         self._packs = packs
+        # Shared blocks a restore of this process found missing or damaged:
+        # the next put that references one writes it again (EntryWriter).
+        self.damaged: Set[bytes] = set()
 
     def manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
         """The manifest at ``ekey``, or None.
@@ -113,6 +117,16 @@ class Reader:
                 readable_codec(layer.kind, layer.version)
             except PromptStoreError as err:
                 raise type(err)(f"{where} layer {li}: {err}") from err
+        try:
+            return self._restore(txn, ekey, man, where, remembered)
+        except _blobs.Vanished:
+            raise  # deleted or replaced since the snapshot: nothing damaged
+        except CorruptEntry:
+            if man.bounds:  # which shared blocks, if any: a put of the same content then rewrites them
+                self.damaged.update(self.damaged_blocks(txn, man))
+            raise
+
+    def _restore(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool) -> List[Any]:
         large = man.payload + man.shared_bytes >= _pages.MIN_PAYLOAD
         mode = _blank.mode()
         if large and man.blob is not None and _fill.available_128() and (mode == "staged" or (mode == "direct" and man.bounds)):
@@ -126,7 +140,10 @@ class Reader:
             self._assemble(txn, man, arrays, where, large)
         return _entry.decode_layers(man, arrays, where)
 
-    def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str, large: bool, blob: Optional[int] = None) -> None:
+    @contextlib.contextmanager
+    def _finder(self, txn, where: str) -> Iterator[Callable[[bytes], Any]]:
+        """``find(address)``: a block's LMDB value, its :class:`InFile` (pack
+        files opened once, closed on leaving), or None (missing)."""
         db = self._db
         places = db.get(PLACES)
         fds: Dict[int, int] = {}
@@ -141,15 +158,45 @@ class Reader:
             return InFile(fds[pack], offset)
 
         try:
+            yield find
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def damaged_blocks(self, txn, man: _entry.Manifest) -> Set[bytes]:
+        """The shared blocks of ``man`` that are missing, unreadable or do not
+        hash to their address, each read and checked on its own (after a
+        restore failed: what a put may write again)."""
+        where = f"{self.path} entry {man.entry_id}"
+        bad: Set[bytes] = set()
+        seen: Set[bytes] = set()
+        with self._finder(txn, where) as find:
+            for li, rec in man.parted():
+                layer, size, start = man.layers[li], _entry.DTYPES[rec.dtype].size, 0
+                for key, end in zip(rec.parts or (), man.bounds):
+                    shape, start = _blocks.block_shape(rec.shape, start, end), end
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    try:
+                        raw = find(key)
+                        if isinstance(raw, InFile):
+                            raw = os.pread(raw.fd, math.prod(shape) * size, raw.offset)
+                        if raw is None:
+                            raise CorruptEntry(f"{where}: block {key.hex()} is missing")
+                        _blocks.check(key, layer.kind, layer.version, rec.dtype, shape, size, raw, where)
+                    except (CorruptEntry, StoreError, OSError):
+                        bad.add(key)
+        return bad
+
+    def _assemble(self, txn, man: _entry.Manifest, arrays: List[Dict[str, Any]], where: str, large: bool, blob: Optional[int] = None) -> None:
+        with self._finder(txn, where) as find:
             if not large:  # a few small blocks: copied out of the map here (threads, offsets and madvise cost more)
                 assemble(find, man, arrays, where)
                 return
             data = self._env.data_file()
             fd = data.fd if _fill.available_128() else None
             assemble(find, man, arrays, where, data.release, data.offset if fd is not None else None, fd, threads=True, blob=blob)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
 
     def _payload(self, txn, ekey: bytes, man: _entry.Manifest, where: str, remembered: bool, large: bool) -> List[Dict[str, Any]]:
         if man.blob is not None:

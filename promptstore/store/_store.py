@@ -103,7 +103,8 @@ class PromptStore:
         self._reader = Reader(self.path, env, tables, self._blobs, self._packs)
         if shared_blocks is None:
             shared_blocks = os.environ.get("PROMPTSTORE_SHARED_BLOCKS", "1") != "0"
-        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._packs, self._usage, shared_blocks, block_tokens)
+        self._writer = EntryWriter(self.path, env, tables, self._blobs, self._packs, self._usage, shared_blocks, block_tokens,
+                                   damaged=self._reader.damaged)
         self._catalog = Catalog(self.path, tables, self._usage)
         self._maintenance = Maintenance(self.path, env, tables, self._blobs, self._packs, self._reader, self._writer)
         self._finder = Finder(self.path, self._reader, self._catalog, self._usage)

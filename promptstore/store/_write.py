@@ -18,7 +18,7 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -65,6 +65,7 @@ class EntryWriter:
         usage: Usage,
         shared_blocks: bool = False,
         block_tokens: int = _blocks.BLOCK_TOKENS,
+        damaged: Optional[Set[bytes]] = None,
     ):
         self.path = path
         self._env = env
@@ -74,6 +75,9 @@ class EntryWriter:
         self._usage = usage
         self.shared_blocks = shared_blocks  # puts keep KV arrays in shared blocks (format 3)
         self.block_tokens = block_tokens  # the most tokens a new block spans
+        # Stored blocks a read found damaged (``Reader.damaged``): referenced
+        # again by a put, they are written again from the put's bytes.
+        self.damaged: Set[bytes] = damaged if damaged is not None else set()
 
     # -- inside a write transaction ---------------------------------------------
 
@@ -144,7 +148,15 @@ class EntryWriter:
             else:
                 refs[key] = [1, size, data]
         counts = {key: _budget.ref_count(txn.get(key, db=db.refs)) for key in refs}
-        new = [(key, refs[key][2], refs[key][1]) for key, count in counts.items() if count == 0]
+        heal = [key for key, count in counts.items() if count and key in self.damaged]
+        for key in heal:  # its stored copy is damaged: freed, and written again below from these bytes
+            self.free_block(txn, key, refs[key][1])
+        if heal:
+            _budget.add_usage(txn, db, -sum(refs[key][1] for key in heal))
+        new = [(key, refs[key][2], refs[key][1]) for key, count in counts.items() if count == 0 or key in heal]
+        if new and self.damaged:
+            done = {key for key, _, _ in new}
+            self._env.after_commit(lambda: self.damaged.difference_update(done))
         written = sum(size for _, _, size in new)
         if new and packs is not None and written >= _packs.MIN_BYTES:
             self._pack(txn, new, packs)
