@@ -68,7 +68,7 @@ def prompt_options(fn: Callable) -> Callable:
 
 def _decode(data: bytes, where: str) -> str:
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark some editors write is no part of the prompt
     except UnicodeDecodeError as err:
         raise InvalidInput(f"{where} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); convert it first, e.g. with iconv") from err
 

@@ -296,3 +296,16 @@ def test_a_put_of_a_missing_model_creates_no_store(cli, tmp_path):
 def test_put_progress_without_a_terminal_is_one_line(cli):
     result = cli("put", "--model", LLAMA, "--prompt", "a longer prompt " * 40)
     assert result.stderr.count("prefill") == 1, result.stderr
+
+
+def test_a_byte_order_mark_is_no_part_of_a_prompt(cli, tmp_path):
+    """Editors that write a UTF-8 byte-order mark: it was tokenized into the prompt (another
+    key than the same prompt typed), and a messages or warm-up file starting with one was 'not JSON'."""
+    plain = js(cli("put", "--model", LLAMA, "--prompt", "a prompt with a mark", "--json"))
+    (tmp_path / "p.txt").write_bytes("\ufeffa prompt with a mark".encode("utf-8"))
+    marked = js(cli("put", "--model", LLAMA, "--prompt-file", str(tmp_path / "p.txt"), "--json"))
+    assert marked["id"] == plain["id"]
+    (tmp_path / "m.json").write_bytes('\ufeff[{"role": "user", "content": "hi there"}]'.encode("utf-8"))
+    cli("put", "--model", LLAMA, "--messages", str(tmp_path / "m.json"), "--json")
+    (tmp_path / "w.jsonl").write_bytes('\ufeff{"id": "a", "prompt": "warm me"}\n'.encode("utf-8"))
+    assert js(cli("warmup", "--model", LLAMA, str(tmp_path / "w.jsonl"), "--json"))["stored"] == 1

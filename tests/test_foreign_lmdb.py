@@ -12,6 +12,7 @@ import hashlib
 
 import lmdb
 import pytest
+from conftest import MODELS
 from test_cli_newcomer import error
 
 from promptstore import PromptStore
@@ -37,7 +38,7 @@ def test_the_api_refuses_another_programs_lmdb_file(tmp_path, readonly):
     assert not (tmp_path / "db" / "STORE_ID").exists()
 
 
-@pytest.mark.parametrize("command", [["ls"], ["stats"], ["verify"], ["verify", "--fix"], ["gc", "--budget", "1MB", "--yes"], ["rm", "--older-than", "1d", "--yes"], ["put", "--model", "m", "--prompt", "x"]])
+@pytest.mark.parametrize("command", [["ls"], ["stats"], ["verify"], ["verify", "--fix"], ["gc", "--budget", "1MB", "--yes"], ["rm", "--older-than", "1d", "--yes"], ["put", "--model", str(MODELS / "llama"), "--prompt", "x"]])
 def test_commands_refuse_another_programs_lmdb_file(tmp_path, command):
     before = _foreign(tmp_path / "db")
     doc = error(tmp_path / "db", *command)

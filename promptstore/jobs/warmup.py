@@ -178,7 +178,7 @@ def read_prompts(source: Union[str, os.PathLike, Iterable[Dict[str, Any]]]) -> T
             if not raw.strip():
                 continue
             try:
-                items.append((n, json.loads(raw.decode("utf-8"))))
+                items.append((n, json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))))  # a byte-order mark first
             except UnicodeDecodeError as err:
                 errors.append(LineError(n, None, f"not UTF-8 ({err.reason} at byte {err.start})"))
             except ValueError as err:

@@ -128,8 +128,7 @@ def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
     real_parse, real_error, saved_argv = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.error, sys.argv
 
     def parse_args(self, *args, **kwargs):
-        real_parse(self, *args, **kwargs)
-        raise _Parsed
+        raise _Parsed(real_parse(self, *args, **kwargs))
 
     def error(self, message):
         raise _Refused(message)
@@ -139,7 +138,10 @@ def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
     sys.argv = ["mlx_lm.server", "--model", str(model_dir), *server_args]
     try:
         mlx_server.main()
-    except _Parsed:
+    except _Parsed as parsed:
+        port = getattr(parsed.args[0], "port", None)
+        if isinstance(port, int) and not 0 <= port <= 65535:  # argparse takes any int; the socket would not
+            raise InvalidInput(f"mlx_lm.server refuses its options: --port {port} is not a TCP port (0-65535)") from None
         return
     except _Refused as err:
         raise InvalidInput(f"mlx_lm.server refuses its options: {err}") from None
