@@ -309,3 +309,12 @@ def test_a_byte_order_mark_is_no_part_of_a_prompt(cli, tmp_path):
     cli("put", "--model", LLAMA, "--messages", str(tmp_path / "m.json"), "--json")
     (tmp_path / "w.jsonl").write_bytes('\ufeff{"id": "a", "prompt": "warm me"}\n'.encode("utf-8"))
     assert js(cli("warmup", "--model", LLAMA, str(tmp_path / "w.jsonl"), "--json"))["stored"] == 1
+
+
+def test_a_store_path_under_a_file_is_invalid_input_for_ls(tmp_path):
+    """``ls --store afile/sub`` listed "0 entries" (a store not made yet) where none can ever be."""
+    (tmp_path / "afile").write_text("x")
+    result = CliRunner().invoke(main, ["ls", "--store", str(tmp_path / "afile" / "sub"), "--json"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 1 and doc["error"] == "InvalidInput" and "is a file" in doc["message"]
+    assert (tmp_path / "afile").read_text() == "x"
