@@ -122,7 +122,10 @@ class Reader:
         except _blobs.Vanished:
             raise  # deleted or replaced since the snapshot: nothing damaged
         except CorruptEntry:
-            if man.bounds:  # which shared blocks, if any: a put of the same content then rewrites them
+            # Which shared blocks, if any: a put of the same content then rewrites
+            # them. Once one of the entry's is known, its later failed reads
+            # (a lookup on every request of a server, say) are not checked again.
+            if man.bounds and not any(key in self.damaged for key, _ in man.blocks()):
                 self.damaged.update(self.damaged_blocks(txn, man))
             raise
 
