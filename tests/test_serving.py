@@ -236,6 +236,31 @@ def test_damaged_entries_are_logged_misses(store_path, llama, caplog, shared_blo
     assert skipped == set(ids)
 
 
+def test_a_miss_on_a_damaged_block_is_mended_by_the_insert_that_follows(store_path, llama):
+    """The serving loop misses on a conversation whose shared block is damaged,
+    prefills it again and inserts it: that put writes the block again, so the
+    conversation's both turns are hits from then on, in this process and the next."""
+    model, _, fp, path = llama
+    toks = sample_tokens(40, seed=7)
+    more = toks + sample_tokens(16, seed=9)
+    cache, _ = prefill(model, toks)
+    longer = continued(cache)
+    mx.eval(model(mx.array(more[40:])[None], cache=longer), [c.state for c in longer])
+    with PromptStore(store_path, shared_blocks=True) as s:
+        ids = [s.put(fp, t, c).id for t, c in ((toks, cache), (more, longer))]
+        flip_block(s, shared_block(s, ids), bit=0xFF)
+    with PersistentPromptCache(store_path) as pc:
+        assert pc.fetch_nearest_cache(key(path), more + [5]) == (None, more + [5])
+        again, _ = prefill(model, toks)  # what the server computes on the miss
+        pc.insert_cache(key(path), toks, again)
+    with PersistentPromptCache(store_path) as pc:
+        for query, want in ((toks + [5], cache), (more + [5], longer)):
+            got, rest = pc.fetch_nearest_cache(key(path), query)
+            assert rest == [5] and same(got, want)
+    with PromptStore(store_path) as s:
+        assert s.verify().ok
+
+
 def test_a_closed_store_is_a_logged_miss_not_a_crash(store_path, llama, caplog):
     model, _, _, path = llama
     toks = sample_tokens(20, seed=8)

@@ -52,14 +52,18 @@ class Finder:
         return ekey, man
 
     def exists(self, env: Env, model: str, toks: np.ndarray) -> bool:
-        """``PromptStore.exists``: a readable, intact manifest of exactly ``toks`` under ``model``."""
+        """``PromptStore.exists``: a readable, intact manifest of exactly ``toks``
+        under ``model``, naming no block a read of this process found damaged."""
         ekey = _keys.entry_key(_keys.model_id(model), toks)
         with env.read() as txn:
             try:
                 man = self._reader.manifest(txn, ekey)
             except PromptStoreError:
                 return False
-        return man is not None and man.intact and man.model == model and np.array_equal(man.tokens, toks)
+        if man is None or not man.intact or man.model != model or not np.array_equal(man.tokens, toks):
+            return False
+        damaged = self._reader.damaged
+        return not damaged or not any(key in damaged for key, _ in man.blocks())
 
     def exact(self, env: Env, model: str, toks: np.ndarray) -> Optional[Hit]:
         """The entry of exactly ``toks``, restored; None (a miss, counted) when absent."""

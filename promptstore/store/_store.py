@@ -335,7 +335,8 @@ class PromptStore:
 
         Cheap: reads the manifest only, no arrays, and counts no hit or miss.
         An entry whose manifest is damaged or does not match counts as absent,
-        so a caller that re-puts it replaces it.
+        so a caller that re-puts it replaces it; so does one naming a shared
+        block that a read of this process found damaged (the put writes it again).
         """
         toks = _keys.as_tokens(tokens)
         return self._finder.exists(self.env, model, toks)
