@@ -184,6 +184,11 @@ def store_option(fn: Callable) -> Callable:
     )(fn)
 
 
+def _wants_json(args) -> bool:
+    """``--json`` among the arguments, also as ``--json=VALUE`` (a usage error of its own)."""
+    return any(a == "--json" or str(a).startswith("--json=") for a in args)
+
+
 class Command(click.Command):
     """A click command whose usage errors are JSON too when ``--json`` was given.
 
@@ -192,7 +197,7 @@ class Command(click.Command):
     """
 
     def make_context(self, info_name, args, parent=None, **extra):
-        wants_json = "--json" in args
+        wants_json = _wants_json(args)
         try:
             return super().make_context(info_name, list(args), parent=parent, **extra)
         except click.UsageError as err:
@@ -209,7 +214,7 @@ class Group(click.Group):
     """
 
     def make_context(self, info_name, args, parent=None, **extra):
-        wants_json = "--json" in args
+        wants_json = _wants_json(args)
         try:
             ctx = super().make_context(info_name, list(args), parent=parent, **extra)
         except click.UsageError as err:

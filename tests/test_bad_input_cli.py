@@ -318,3 +318,9 @@ def test_a_store_path_under_a_file_is_invalid_input_for_ls(tmp_path):
     doc = json.loads(result.stdout)
     assert result.exit_code == 1 and doc["error"] == "InvalidInput" and "is a file" in doc["message"]
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_a_value_given_to_json_is_a_usage_error_in_json(tmp_path):
+    result = CliRunner().invoke(main, ["ls", "--store", str(tmp_path / "s"), "--json=1"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 2 and doc["error"] == "UsageError" and "--json" in doc["message"]
