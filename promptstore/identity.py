@@ -216,8 +216,11 @@ def resolve_model(model: Union[str, os.PathLike]) -> Path:
     network, as ``mlx_lm.load`` resolves it (``mlx_lm.utils.hf_repo_to_path``).
 
     Raises:
-        InvalidInput: neither a directory nor a model in the local cache.
+        InvalidInput: neither a directory nor a model in the local cache
+            (an empty name too: it is no name for the current folder).
     """
+    if os.fspath(model) == "":
+        raise InvalidInput("the model is empty; pass an mlx-lm model directory (\".\" for the current one) or a Hugging Face id")
     path = user_path(model, "the model")
     if path.is_dir():
         return path

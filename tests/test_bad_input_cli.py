@@ -324,3 +324,11 @@ def test_a_value_given_to_json_is_a_usage_error_in_json(tmp_path):
     result = CliRunner().invoke(main, ["ls", "--store", str(tmp_path / "s"), "--json=1"])
     doc = json.loads(result.stdout)
     assert result.exit_code == 2 and doc["error"] == "UsageError" and "--json" in doc["message"]
+
+
+def test_an_empty_model_is_invalid_input_not_the_current_folder(cli, tmp_path, monkeypatch):
+    """``--model ''`` (an unset shell variable) named the current folder."""
+    monkeypatch.chdir(MODELS / "llama")
+    doc = js(cli("put", "--model", "", "--prompt", "hi", "--json", code=1))
+    assert doc["error"] == "InvalidInput" and "model is empty" in doc["message"]
+    assert not (tmp_path / "store").exists()
