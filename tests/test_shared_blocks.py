@@ -416,3 +416,40 @@ def _cut(cache, n):
     kv = KVCache()
     kv.update_and_fetch(mx.array(cache[0].keys[..., :n, :]), mx.array(cache[0].values[..., :n, :]))
     return [kv]
+
+
+def test_a_lost_pack_file_is_mended_by_a_put_of_the_same_content(tmp_path):
+    """A pack file lost (not unlinked by a commit) read as Vanished, which the damaged
+    blocks' bookkeeping left out (a blob file vanishes in a race, a pack file was taken
+    for the same): the put wrote nothing and both entries stayed unreadable."""
+    from promptstore import CorruptEntry
+
+    first, second = chat_entry(0, 0), chat_entry(0, 1)
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        a = store.put(MODEL, *first)
+        b = store.put(MODEL, *second)
+        key = shared_block(store, {a.id, b.id})
+        block_place(store, key)[0].unlink()
+        for tokens, _ in (first, second):
+            with pytest.raises(CorruptEntry, match="is missing"):
+                store.get(MODEL, tokens)
+        assert not store.exists(MODEL, second[0])
+        store.put(MODEL, *second)
+        for tokens, cache in (first, second):
+            assert same_cache(store.get(MODEL, tokens), cache)
+        assert store.verify().ok and audit_blocks(store) and store.usage() == stored_bytes(store)
+
+
+def test_a_block_found_damaged_on_an_old_snapshot_is_not_written_again_once_intact(tmp_path):
+    """A read that failed on a snapshot older than the put that mended the block marks it
+    again; the next put that references it checks the stored copy and writes nothing."""
+    first, second = chat_entry(0, 0), chat_entry(0, 1)
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        a = store.put(MODEL, *first)
+        b = store.put(MODEL, *second)
+        key = shared_block(store, {a.id, b.id})
+        store._reader.damaged.add(key)  # what such a stale read leaves
+        before = block_place(store, key)
+        store.put(MODEL, *second)
+        assert block_place(store, key) == before and key not in store._reader.damaged
+        assert store.verify().ok and audit_blocks(store) and store.usage() == stored_bytes(store)

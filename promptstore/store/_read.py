@@ -60,8 +60,9 @@ class Reader:
         self._db = tables
         self._blobs = blobs
         self._packs = packs
-        # Shared blocks a restore of this process found missing or damaged:
-        # the next put that references one writes it again (EntryWriter).
+        # Shared blocks a restore of this process found missing or damaged, as
+        # its snapshot saw them: a put that references one checks the stored
+        # copy and writes it again unless it is intact by then (EntryWriter).
         self.damaged: Set[bytes] = set()
 
     def manifest(self, txn, ekey: bytes) -> Optional[_entry.Manifest]:
@@ -119,8 +120,13 @@ class Reader:
                 raise type(err)(f"{where} layer {li}: {err}") from err
         try:
             return self._restore(txn, ekey, man, where, remembered)
-        except _blobs.Vanished:
-            raise  # deleted or replaced since the snapshot: nothing damaged
+        except _blobs.Vanished as err:
+            if _packs.pack_of(err.blob) is None:
+                raise  # a blob file: deleted or replaced since the snapshot, nothing damaged
+            # A pack file: lost, or rewritten since (a put checks the block before it writes it again).
+            if not any(key in self.damaged for key, _ in man.blocks()):
+                self.damaged.update(self.damaged_blocks(txn, man))
+            raise
         except CorruptEntry:
             # Which shared blocks, if any: a put of the same content then rewrites
             # them. Once one of the entry's is known, its later failed reads

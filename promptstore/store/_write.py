@@ -15,6 +15,7 @@ accounting, pin, and the manifest.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,14 +149,15 @@ class EntryWriter:
             else:
                 refs[key] = [1, size, data]
         counts = {key: _budget.ref_count(txn.get(key, db=db.refs)) for key in refs}
-        heal = [key for key, count in counts.items() if count and key in self.damaged]
+        suspect = [key for key, count in counts.items() if count and key in self.damaged]
+        heal = [key for key in suspect if not self._intact(txn, key, refs[key][2], refs[key][1])]
         for key in heal:  # its stored copy is damaged: freed, and written again below from these bytes
             self.free_block(txn, key, refs[key][1])
         if heal:
             _budget.add_usage(txn, db, -sum(refs[key][1] for key in heal))
         new = [(key, refs[key][2], refs[key][1]) for key, count in counts.items() if count == 0 or key in heal]
-        if new and self.damaged:
-            done = {key for key, _, _ in new}
+        if self.damaged and (new or suspect):
+            done = {key for key, _, _ in new} | set(suspect)
             self._env.after_commit(lambda: self.damaged.difference_update(done))
         written = sum(size for _, _, size in new)
         if new and packs is not None and written >= _packs.MIN_BYTES:
@@ -168,6 +170,23 @@ class EntryWriter:
         if written:
             _budget.add_usage(txn, db, written)
         return written
+
+    def _intact(self, txn, key: bytes, data: Any, size: int) -> bool:
+        """Whether the stored copy of block ``key`` holds exactly ``data``
+        (the bytes its address names), as this transaction sees it."""
+        where = _packing.place(txn, self._db, key)
+        try:
+            if where is None:
+                stored = txn.get(key, db=self._db.blocks)
+            else:
+                fd = self._packs.open(where[0], str(self.path))
+                try:
+                    stored = os.pread(fd, size, where[1])
+                finally:
+                    os.close(fd)
+        except (PromptStoreError, OSError):
+            return False
+        return stored is not None and bytes(stored) == bytes(_contiguous(data))
 
     def _pack(self, txn, new: Sequence[Block], packs: List[int]) -> None:
         """Write the blocks ``new`` to a new pack file, durably, and record where each is."""
