@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal
+from decimal import Decimal, localcontext
 
 import click
 
@@ -29,10 +29,12 @@ def parse_bytes(text: str) -> int:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 500MB, 12GB, 100KiB)", param_hint="--budget")
     number, prefix, binary, _ = m.groups()
     power = " KMGT".index(prefix or " ")
-    exact = Decimal(number) * (1024 if binary else 1000) ** power  # exact: a float rounds large counts
-    if exact != exact.to_integral_value():
+    with localcontext() as ctx:
+        ctx.prec = 60  # exact for any size this accepts: a float rounds large counts
+        exact = Decimal(number) * (1024 if binary else 1000) ** power
+    if exact != int(exact) and (power == 0 or exact < 1):  # 0.5 (bytes) meant a budget of 0
         raise click.BadParameter(f"{text!r} is not a whole number of bytes", param_hint="--budget")
-    size = int(exact)
+    size = int(exact)  # 1.3GiB: rounded down to whole bytes
     try:
         check_budget(size)  # the API's own check, before the store is touched (dry run included)
     except InvalidInput as err:

@@ -276,13 +276,18 @@ def test_an_output_name_that_is_not_utf8_is_invalid_input(cli, stored, tmp_path)
     assert doc["error"] == "InvalidInput" and "not UTF-8" in doc["message"]
 
 
-@pytest.mark.parametrize("budget", ["0.5", "1.0001KB", ".3"])
+@pytest.mark.parametrize("budget", ["0.5", ".3", "1.5B", "0.0001KB"])
 def test_a_budget_of_a_fraction_of_a_byte_is_a_usage_error(cli, stored, budget):
     """``--budget 0.5`` set a budget of 0 bytes."""
     doc = js(cli("gc", "--budget", budget, "--yes", "--json", code=2))
     assert doc["error"] == "UsageError" and "whole number of bytes" in doc["message"]
     with PromptStore(cli.store_dir) as st:
         assert st.budget is None and [i.id for i in st.entries()] == [stored]
+
+
+@pytest.mark.parametrize("budget, size", [("1.3GiB", 1395864371), ("2.2MiB", 2306867), ("1.0001KB", 1000), ("1.5GB", 1500000000)])
+def test_a_fractional_size_with_a_unit_is_rounded_down_to_whole_bytes(cli, stored, budget, size):
+    assert js(cli("gc", "--budget", budget, "--dry-run", "--json"))["budget"] == size
 
 
 def test_a_put_of_a_missing_model_creates_no_store(cli, tmp_path):
@@ -309,6 +314,9 @@ def test_a_byte_order_mark_is_no_part_of_a_prompt(cli, tmp_path):
     cli("put", "--model", LLAMA, "--messages", str(tmp_path / "m.json"), "--json")
     (tmp_path / "w.jsonl").write_bytes('\ufeff{"id": "a", "prompt": "warm me"}\n'.encode("utf-8"))
     assert js(cli("warmup", "--model", LLAMA, str(tmp_path / "w.jsonl"), "--json"))["stored"] == 1
+    (tmp_path / "w2.jsonl").write_bytes('\ufeff\n{"id": "b", "prompt": "warm me too"}\n'.encode("utf-8"))
+    doc = js(cli("warmup", "--model", LLAMA, str(tmp_path / "w2.jsonl"), "--json"))
+    assert (doc["stored"], doc["failed"]) == (1, 0)  # a line of only the mark is a blank line
 
 
 def test_a_store_path_under_a_file_is_invalid_input_for_ls(tmp_path):

@@ -31,6 +31,7 @@ How it works:
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -174,11 +175,13 @@ def read_prompts(source: Union[str, os.PathLike, Iterable[Dict[str, Any]]]) -> T
         except OSError as err:
             raise InvalidInput(f"{path}: cannot read the prompt file ({err.strerror or err})") from err
         items: List[Tuple[int, Any]] = []
+        if raw_lines[0].startswith(codecs.BOM_UTF8):  # a byte-order mark some editors write first
+            raw_lines[0] = raw_lines[0][len(codecs.BOM_UTF8):]
         for n, raw in enumerate(raw_lines, 1):
             if not raw.strip():
                 continue
             try:
-                items.append((n, json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))))  # a byte-order mark first
+                items.append((n, json.loads(raw.decode("utf-8"))))
             except UnicodeDecodeError as err:
                 errors.append(LineError(n, None, f"not UTF-8 ({err.reason} at byte {err.start})"))
             except ValueError as err:
