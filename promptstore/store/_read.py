@@ -120,16 +120,12 @@ class Reader:
                 raise type(err)(f"{where} layer {li}: {err}") from err
         try:
             return self._restore(txn, ekey, man, where, remembered)
-        except _blobs.Vanished as err:
-            if _packs.pack_of(err.blob) is None:
+        except CorruptEntry as err:
+            if isinstance(err, _blobs.Vanished) and _packs.pack_of(err.blob) is None:
                 raise  # a blob file: deleted or replaced since the snapshot, nothing damaged
-            # A pack file: lost, or rewritten since (a put checks the block before it writes it again).
-            if not any(key in self.damaged for key, _ in man.blocks()):
-                self.damaged.update(self.damaged_blocks(txn, man))
-            raise
-        except CorruptEntry:
-            # Which shared blocks, if any: a put of the same content then rewrites
-            # them. Once one of the entry's is known, its later failed reads
+            # Which shared blocks, if any (a pack file vanished too: lost, or
+            # rewritten since): a put of the same content checks them and writes
+            # them again. Once one of the entry's is known, its later failed reads
             # (a lookup on every request of a server, say) are not checked again.
             if man.bounds and not any(key in self.damaged for key, _ in man.blocks()):
                 self.damaged.update(self.damaged_blocks(txn, man))

@@ -77,7 +77,8 @@ class EntryWriter:
         self.shared_blocks = shared_blocks  # puts keep KV arrays in shared blocks (format 3)
         self.block_tokens = block_tokens  # the most tokens a new block spans
         # Stored blocks a read found damaged (``Reader.damaged``): referenced
-        # again by a put, they are written again from the put's bytes.
+        # again by a put, they are checked, and written again from the put's
+        # bytes unless intact.
         self.damaged: Set[bytes] = damaged if damaged is not None else set()
 
     # -- inside a write transaction ---------------------------------------------
