@@ -89,9 +89,10 @@ class Ctx:
         """:meth:`reader`, or None when there is no store yet: no folder, or
         an empty one (a folder holding something else is still an error)."""
         path = self.path
-        above = next((p for p in path.parents if p.exists()), None)
-        if not path.exists() and above is not None and not above.is_dir():
-            raise InvalidInput(f"{path}: {above} is a file, so no store can be there; check --store")
+        if not path.exists():
+            above = next((p for p in path.parents if p.exists()), None)
+            if above is not None and not above.is_dir():
+                raise InvalidInput(f"{path}: {above} is a file, so no store can be there; check --store")
         if self._store is None and not self.exists() and (not path.exists() or (path.is_dir() and not any(path.iterdir()))):
             return None
         return self.reader(counted)

@@ -14,7 +14,7 @@ import click
 
 from promptstore import InvalidInput
 from promptstore.cli._common import warn
-from promptstore.identity import adapter_fingerprint, context_length, fingerprint, legacy_fingerprint, model_dir, resolve_model
+from promptstore.identity import adapter_fingerprint, context_length, fingerprint, legacy_fingerprint, resolve_model
 from promptstore.jobs.prefill import PREFILL_STEP, QUANTIZED_KV_START, CacheOptions, load_model
 
 MODEL_HELP = "mlx-lm model: a local folder, or a Hugging Face id (org/name) already in the local Hugging Face cache."
@@ -118,16 +118,6 @@ def model_folder(spec: str) -> Path:
     """
     identities(spec)  # the checks and messages of put/get (the digest is remembered)
     return resolve_model(spec)
-
-
-def check_model(margs: ModelArgs) -> None:
-    """The quick checks of ``--model`` (a folder with a config and weights),
-    made before a command opens or creates its store.
-
-    Raises:
-        InvalidInput: not a model folder or cached Hugging Face id.
-    """
-    model_dir(margs.model)
 
 
 def load(margs: ModelArgs) -> Loaded:

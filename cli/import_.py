@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
-from promptstore.cli._model import check_model, load, model_options
+from promptstore.cli._model import load, model_options
 from promptstore.cli._prompt import encode, prompt_options, read_prompt
 from promptstore.cli.put import parse_meta
+from promptstore.identity import model_dir
 from promptstore.jobs.interop import import_mlx_cache_file
 
 
@@ -42,7 +43,7 @@ def import_(obj, margs, pargs, file, meta_pairs, trust_unverified, as_json):
     """
     meta = parse_meta(meta_pairs)
     text, messages = read_prompt(pargs) if pargs.given else (None, None)
-    check_model(margs)  # a missing model creates no store
+    model_dir(margs.model)  # a missing model creates no store
     store = obj.store  # a store this user cannot write fails here, before the model loads
     loaded = load(margs)
     tokens = encode(loaded.tokenizer, text, messages, pargs) if pargs.given else None

@@ -8,9 +8,10 @@ import click
 
 from promptstore import InvalidInput
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, store_option
-from promptstore.cli._model import check_length, check_model, load, model_options
+from promptstore.cli._model import check_length, load, model_options
 from promptstore.cli._prompt import encode, prompt_options, read_prompt
 from promptstore.format._entry import check_meta
+from promptstore.identity import model_dir
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints, prefill_with_checkpoints
 
 
@@ -70,7 +71,7 @@ def put(obj, margs, pargs, meta_pairs, checkpoints, as_json):
     """
     meta = parse_meta(meta_pairs)
     text, messages = read_prompt(pargs)
-    check_model(margs)  # a missing model creates no store
+    model_dir(margs.model)  # a missing model creates no store
     store = obj.store  # a store this user cannot write fails here, before any prefill
     loaded = load(margs)
     tokens = encode(loaded.tokenizer, text, messages, pargs)

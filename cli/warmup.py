@@ -9,9 +9,9 @@ import click
 
 from promptstore import warmup as run_warmup
 from promptstore.cli._common import command, emit_json, format_size, guarded, json_option, store_option
-from promptstore.cli._model import check_model, load, model_options
+from promptstore.cli._model import load, model_options
 from promptstore.cli._prompt import templating_options
-from promptstore.identity import context_length
+from promptstore.identity import context_length, model_dir
 
 if TYPE_CHECKING:
     from click._termui_impl import ProgressBar
@@ -69,7 +69,7 @@ def warmup(obj, margs, system_prompt, no_chat_template, prompts_file, batch_size
     flags as put takes them; a prompt longer than the model's context is a
     line error unless --allow-long-prompt.
     """
-    check_model(margs)  # a missing model creates no store
+    model_dir(margs.model)  # a missing model creates no store
     store = obj.store  # a store this user cannot write fails here, before the model loads
     loaded = load(margs)
     bar = _Bar(True)  # stderr: --json keeps stdout for the summary alone

@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from promptstore.format._blocks import ADDRESS
+from promptstore.format._blocks import ADDRESS, block_shape
 from promptstore.codecs import codec_for_kind, decode_layer, trim_floor
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
 
@@ -108,6 +108,13 @@ class Manifest:
             for rec in layer.arrays:
                 if rec.parts is not None:
                     yield li, rec
+
+    def parts(self, rec: "ArrayRecord") -> Iterator[Tuple[bytes, Tuple[int, ...]]]:
+        """``(address, shape)`` of each block of array ``rec``, in order."""
+        start = 0
+        for key, end in zip(rec.parts or (), self.bounds):
+            yield key, block_shape(rec.shape, start, end)
+            start = end
 
     def blocks(self) -> Iterator[Tuple[bytes, int]]:
         """``(address, bytes)`` of every shared block reference, repeats included."""

@@ -60,10 +60,8 @@ class Finder:
                 man = self._reader.manifest(txn, ekey)
             except PromptStoreError:
                 return False
-        if man is None or not man.intact or man.model != model or not np.array_equal(man.tokens, toks):
-            return False
-        damaged = self._reader.damaged
-        return not damaged or not any(key in damaged for key, _ in man.blocks())
+        return (man is not None and man.intact and man.model == model and np.array_equal(man.tokens, toks)
+                and not self._reader.known_damaged(man))
 
     def exact(self, env: Env, model: str, toks: np.ndarray) -> Optional[Hit]:
         """The entry of exactly ``toks``, restored; None (a miss, counted) when absent."""

@@ -174,10 +174,7 @@ def complete(found: Found, data: DataFile, in_packs: Dict[bytes, Tuple[int, int,
     for li, rec in man.parted():
         layer = man.layers[li]
         size = _entry.DTYPES[rec.dtype].size
-        start = 0
-        for key, end in zip(rec.parts or (), man.bounds):
-            shape = _blocks.block_shape(rec.shape, start, end)
-            start = end
+        for key, shape in man.parts(rec):
             if key in found.blocks:
                 continue
             nbytes = math.prod(shape) * size

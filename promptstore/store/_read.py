@@ -127,7 +127,7 @@ class Reader:
             # rewritten since): a put of the same content checks them and writes
             # them again. Once one of the entry's is known, its later failed reads
             # (a lookup on every request of a server, say) are not checked again.
-            if man.bounds and not any(key in self.damaged for key, _ in man.blocks()):
+            if man.bounds and not self.known_damaged(man):
                 self.damaged.update(self.damaged_blocks(txn, man))
             raise
 
@@ -168,6 +168,10 @@ class Reader:
             for fd in fds.values():
                 os.close(fd)
 
+    def known_damaged(self, man: _entry.Manifest) -> bool:
+        """Whether ``man`` names a block a read of this process found damaged."""
+        return bool(self.damaged) and any(key in self.damaged for key, _ in man.blocks())
+
     def damaged_blocks(self, txn, man: _entry.Manifest) -> Set[bytes]:
         """The shared blocks of ``man`` that are missing, unreadable or do not
         hash to their address, each read and checked on its own (after a
@@ -177,9 +181,8 @@ class Reader:
         seen: Set[bytes] = set()
         with self._finder(txn, where) as find:
             for li, rec in man.parted():
-                layer, size, start = man.layers[li], _entry.DTYPES[rec.dtype].size, 0
-                for key, end in zip(rec.parts or (), man.bounds):
-                    shape, start = _blocks.block_shape(rec.shape, start, end), end
+                layer, size = man.layers[li], _entry.DTYPES[rec.dtype].size
+                for key, shape in man.parts(rec):
                     if key in seen:
                         continue
                     seen.add(key)
@@ -308,19 +311,17 @@ def assemble(
     found: List[List[Tuple[bytes, Tuple[int, ...], Any]]] = []  # per array: (address, shape, where) of each block
     for li, rec in parted:
         size = _entry.DTYPES[rec.dtype].size
-        blocks, start = [], 0
-        for key, end in zip(rec.parts or (), man.bounds):
+        blocks = []
+        for key, shape in man.parts(rec):
             raw = find_block(key)
             if raw is None:
                 raise CorruptEntry(f"{where}: layer {li} array {rec.name!r}: block {key.hex()} is missing")
-            shape = _blocks.block_shape(rec.shape, start, end)
             if not isinstance(raw, InFile):  # a file's block is checked as it is read (size included)
                 if len(raw) != math.prod(shape) * size:
                     raise CorruptEntry(f"{where}: block {key.hex()} has {len(raw)} bytes, expected shape {shape} {rec.dtype}")
                 if release is not None:  # finding a value maps the pages around its first one: drop them at once
                     release(raw)
             blocks.append((key, shape, raw))
-            start = end
         found.append(blocks)
     small = blob is None and fd is None and sum(rec.nbytes for _, rec in parted) < _SMALL
 

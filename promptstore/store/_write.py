@@ -15,7 +15,6 @@ accounting, pin, and the manifest.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,15 +176,8 @@ class EntryWriter:
         (the bytes its address names), as this transaction sees it."""
         where = _packing.place(txn, self._db, key)
         try:
-            if where is None:
-                stored = txn.get(key, db=self._db.blocks)
-            else:
-                fd = self._packs.open(where[0], str(self.path))
-                try:
-                    stored = os.pread(fd, size, where[1])
-                finally:
-                    os.close(fd)
-        except (PromptStoreError, OSError):
+            stored = txn.get(key, db=self._db.blocks) if where is None else self._packs.read(where[0], where[1], size, str(self.path))
+        except PromptStoreError:
             return False
         return stored is not None and bytes(stored) == bytes(_contiguous(data))
 
