@@ -31,13 +31,10 @@ How it works:
 
 from __future__ import annotations
 
-import codecs
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -45,11 +42,11 @@ import mlx.core as mx
 from promptstore.codecs import codec_for_layer, encode_layer
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
-from promptstore.format._entry import check_meta
 from promptstore.identity import fingerprint
 from promptstore.jobs.prefill import (
     PREFILL_STEP, CacheOptions, encode_prompt, eval_cache, id_error, load_model, make_cache, quantizer, vocab_size,
 )
+from promptstore.jobs.prompts import LineError, PromptRecord, read_prompts
 from promptstore.rows import extract_row
 
 __all__ = [
@@ -62,29 +59,8 @@ __all__ = [
 
 log = logging.getLogger("promptstore")
 
-_KEYS = {"id", "prompt", "messages", "meta"}
 # (prompts done, prompts to do, tokens prefilled so far, seconds so far)
 Progress = Callable[[int, int, int, float], None]
-
-
-@dataclass(frozen=True)
-class LineError:
-    """One input line that could not be warmed: where, which id, and why."""
-
-    line: int
-    id: Any
-    reason: str
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    """One valid input line: exactly one of ``prompt`` and ``messages`` is set."""
-
-    line: int
-    id: Any
-    prompt: Optional[str] = None
-    messages: Optional[Tuple[Dict[str, Any], ...]] = None
-    meta: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -117,99 +93,6 @@ class WarmupSummary:
     def ok(self) -> bool:
         """True when every line was warmed or skipped and the job ran to the end."""
         return self.failed == 0 and self.stopped is None
-
-
-# -- input ---------------------------------------------------------------------
-
-
-def _check_record(obj: Any) -> Tuple[Any, Optional[str]]:
-    """``(id, reason)``: reason is None when ``obj`` is a valid record."""
-    if not isinstance(obj, dict):
-        return None, f"expected a JSON object, got {type(obj).__name__}"
-    rid = obj.get("id")
-    unknown = sorted(set(obj) - _KEYS)
-    if unknown:
-        return rid, f"unknown keys {unknown}; allowed: id, prompt, messages, meta"
-    if ("prompt" in obj) == ("messages" in obj):
-        return rid, 'give exactly one of "prompt" or "messages"'
-    if isinstance(rid, (dict, list)):
-        return rid, '"id" must be a string or a number'
-    try:  # the entry's meta holds it as text: one that is not UTF-8 would fail the whole batch at put
-        str(rid).encode("utf-8")
-    except UnicodeEncodeError as err:
-        return None, f'"id" is not valid UTF-8 ({err.reason} at {err.start})'
-    if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
-        return rid, '"prompt" must be a non-empty string'
-    if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            return rid, '"messages" must be a non-empty list'
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return rid, f'messages[{j}] must be an object with string "role" and "content"'
-    if "meta" in obj and not isinstance(obj["meta"], dict):
-        return rid, '"meta" must be an object'
-    try:  # the store's own check of the meta stored (the id goes in it), so one bad line never fails its batch
-        check_meta({**obj.get("meta", {}), **({"warmup": str(rid)} if rid is not None else {})})
-    except InvalidInput as err:
-        return rid, str(err)
-    return rid, None
-
-
-def read_prompts(source: Union[str, os.PathLike, Iterable[Dict[str, Any]]]) -> Tuple[List[PromptRecord], List[LineError]]:
-    """Parse a JSONL prompt file (or an iterable of dicts) into records and line errors.
-
-    Each line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages":
-    [...]}`` with an optional ``"meta": {...}`` stored with the entry. Blank
-    lines are ignored. Line numbers count from 1 (for an iterable, its index + 1).
-
-    Raises:
-        InvalidInput: the file cannot be read at all.
-    """
-    records: List[PromptRecord] = []
-    errors: List[LineError] = []
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            raw_lines = path.read_bytes().split(b"\n")
-        except OSError as err:
-            raise InvalidInput(f"{path}: cannot read the prompt file ({err.strerror or err})") from err
-        items: List[Tuple[int, Any]] = []
-        if raw_lines[0].startswith(codecs.BOM_UTF8):  # a byte-order mark some editors write first
-            raw_lines[0] = raw_lines[0][len(codecs.BOM_UTF8):]
-        for n, raw in enumerate(raw_lines, 1):
-            if not raw.strip():
-                continue
-            try:
-                items.append((n, json.loads(raw.decode("utf-8"))))
-            except UnicodeDecodeError as err:
-                errors.append(LineError(n, None, f"not UTF-8 ({err.reason} at byte {err.start})"))
-            except ValueError as err:
-                errors.append(LineError(n, None, f"not JSON ({err})"))
-            except RecursionError:  # nested deeper than the JSON parser recurses
-                errors.append(LineError(n, None, "not JSON that can be read (nested too deeply)"))
-    else:
-        items = list(enumerate(source, 1))
-    for n, obj in items:
-        rid, reason = _check_record(obj)
-        if reason is not None:
-            errors.append(LineError(n, rid, reason))
-            continue
-        msgs = obj.get("messages")
-        records.append(
-            PromptRecord(
-                line=n,
-                id=rid,
-                prompt=obj.get("prompt"),
-                messages=tuple(dict(m) for m in msgs) if msgs is not None else None,
-                meta=dict(obj["meta"]) if "meta" in obj else None,
-            )
-        )
-    errors.sort(key=lambda e: e.line)
-    return records, errors
-
-
-# -- checkpoints ---------------------------------------------------------------
 
 
 # -- the job -------------------------------------------------------------------
