@@ -299,6 +299,18 @@ def encode_layer(layer: Any) -> Encoded:
     return Encoded(codec.kind_of(layer), codec.version, arrays, meta)
 
 
+def detached(encoded: Sequence[Encoded]) -> List[Encoded]:
+    """The same layers over new array objects, evaluated on this thread.
+
+    mlx-lm writes into a cache's arrays in place (``update_and_fetch``), and a
+    codec may hand out the cache's own array: whatever reads the encoding
+    later, or on another thread, takes these instead. No data is copied here;
+    the cache's next write copies, since its buffer is then shared."""
+    out = [Encoded(e.kind, e.version, {k: mx.stop_gradient(v) for k, v in e.arrays.items()}, dict(e.meta)) for e in encoded]
+    mx.eval([a for e in out for a in e.arrays.values()])
+    return out
+
+
 def readable_codec(kind: str, version: int) -> Codec:
     """The codec that decodes ``kind`` at codec ``version``.
 

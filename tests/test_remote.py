@@ -7,6 +7,7 @@ stored, B finds by token prefix and restores bit-exact (==).
 from __future__ import annotations
 
 import itertools
+import threading
 
 import mlx.core as mx
 import pytest
@@ -128,6 +129,66 @@ def test_b_restores_what_only_a_stored(tmp_path, remote_url):
         assert b.lookup(MODEL, t).matched == 600
         assert b.remote.stats()["hits"] == 1
         assert b.remote.stats().get("published", 0) == 0  # B does not publish it back
+
+
+def _held_publisher(store, monkeypatch) -> threading.Event:
+    """Hold ``store``'s publisher until the returned event is set (the real
+    publish runs then): what the caller does meanwhile happens before it."""
+    gate = threading.Event()
+    real = store.remote.remote.publish
+
+    def held(*args, **kwargs):
+        assert gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.remote.remote, "publish", held)
+    return gate
+
+
+def test_a_publish_sends_what_was_put_not_what_the_cache_became(tmp_path, redis_single, monkeypatch):
+    """The caller goes on with its cache as mlx-lm does (back one token, then a
+    new one, written into the same arrays) before the publisher runs: the fleet
+    gets what was put, as the local store did. At 512 tokens (a multiple of
+    KVCache's step) the cache's arrays are exactly what the entry covers."""
+    a, b = pair(tmp_path, url_of(redis_single, f"t{next(_ns)}"))
+    with a, b:
+        n = 512
+        t, cache = toks(n), kv_cache(n)
+        gate = _held_publisher(a, monkeypatch)
+        a.put(MODEL, t, cache)
+        for c in cache:
+            c.trim(1)
+            c.update_and_fetch(mx.full((1, 2, 1, 32), 7, mx.bfloat16), mx.full((1, 2, 1, 32), 7, mx.bfloat16))
+        mx.eval([c.keys for c in cache] + [c.values for c in cache])
+        gate.set()
+        assert a.remote.flush(30)
+        assert a.remote.stats()["published"] == 1
+        hit = b.lookup(MODEL, t)
+        assert hit is not None and hit.matched == n
+        same(hit.cache, kv_cache(n))
+        same(a.get(MODEL, t), kv_cache(n))
+
+
+def test_a_lazy_cache_is_published(tmp_path, redis_single, monkeypatch):
+    """A cache whose arrays were never evaluated by the caller: the publisher,
+    on its own thread, still publishes it (mlx evaluates a graph only on the
+    thread whose stream built it)."""
+    a, b = pair(tmp_path, url_of(redis_single, f"t{next(_ns)}"))
+    with a, b:
+        n = 300
+        cache = []
+        for li in range(2):
+            c = KVCache()
+            c.update_and_fetch(det((1, 2, n, 32), mx.bfloat16, 2 * li) * 1, det((1, 2, n, 32), mx.bfloat16, 2 * li + 1) * 1)
+            cache.append(c)
+        gate = _held_publisher(a, monkeypatch)
+        a.put(MODEL, toks(n), cache)
+        gate.set()
+        assert a.remote.flush(30)
+        assert a.remote.stats()["published"] == 1, a.remote.stats()
+        hit = b.lookup(MODEL, toks(n))
+        assert hit is not None and hit.matched == n
+        same(hit.cache, kv_cache(n))
 
 
 def test_a_fetch_reads_its_blocks_into_place(tmp_path, remote_url, monkeypatch):

@@ -17,10 +17,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
-import mlx.core as mx
 import numpy as np
 
-from promptstore.codecs import decode_layer, encode_layer, layer_coverage
+from promptstore.codecs import decode_layer, detached, encode_layer, layer_coverage
 from promptstore.errors import CoverageMismatch
 
 __all__ = ["view", "MemoryTier", "MemEntry"]
@@ -43,16 +42,14 @@ def view(cache: List[Any], n_tokens: Optional[int] = None) -> Tuple[List[Any], i
         CoverageMismatch: a layer covers another number of tokens.
         CodecError: the codec refuses the layer (e.g. an open verify round).
     """
-    encoded = [encode_layer(layer) for layer in cache]
-    fresh = [{k: mx.stop_gradient(v) for k, v in enc.arrays.items()} for enc in encoded]
-    mx.eval([a for arrays in fresh for a in arrays.values()])
-    layers = [decode_layer(enc.kind, enc.version, arrays, enc.meta) for enc, arrays in zip(encoded, fresh)]
+    encoded = detached([encode_layer(layer) for layer in cache])
+    layers = [decode_layer(enc.kind, enc.version, enc.arrays, enc.meta) for enc in encoded]
     if n_tokens is not None:
         for i, layer in enumerate(layers):
             cov = layer_coverage(layer)
             if cov is not None and cov != n_tokens:
                 raise CoverageMismatch(f"layer {i} covers {cov} tokens, but the cache was inserted for {n_tokens} tokens")
-    nbytes = sum(int(a.nbytes) for arrays in fresh for a in arrays.values())
+    nbytes = sum(int(a.nbytes) for enc in encoded for a in enc.arrays.values())
     trimmable = all(getattr(layer, "is_trimmable", lambda: False)() for layer in layers)
     return layers, nbytes, trimmable
 

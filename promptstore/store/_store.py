@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 from promptstore import rows
 from promptstore._paths import default_path, store_path
-from promptstore.codecs import encode_layer, is_trimmable
+from promptstore.codecs import detached, encode_layer, is_trimmable
 from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
@@ -247,7 +247,7 @@ class PromptStore:
         name = model_name_of(model)
         done = self._writer.put(model, name, toks, encoded, trimmable, dict(meta or {}))
         if publish and self._remote is not None:  # write-behind: never waits on the network
-            self._remote.publish_later(remote_key(model, toks), name, encoded, trimmable, dict(meta or {}), done.created)
+            self._remote.publish_later(remote_key(model, toks), name, detached(encoded), trimmable, dict(meta or {}), done.created)
         return EntryInfo(
             id=done.entry_id,
             model=model,
