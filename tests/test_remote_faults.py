@@ -236,6 +236,37 @@ def test_damaged_manifest(tmp_path, redis_cluster, damage):
         assert st["misses"] == 2
 
 
+@pytest.mark.parametrize("field, value", [("created", 1e20), ("created", float("nan")), ("meta", {b"k": 1}), ("meta", {"k": float("nan")})])
+def test_a_manifest_field_out_of_range_is_a_corrupt_miss(tmp_path, redis_single, field, value):
+    """A manifest with an intact checksum (another writer's) whose time is not
+    a time or whose meta a put would refuse: a counted corrupt miss, as any
+    unexpected field. It broke lookup with OverflowError/ValueError, and
+    listings with a bug report; meta like this was served but never stored."""
+    import msgpack
+    import xxhash
+
+    from promptstore.remote._wire import MAGIC, _SUM
+
+    ns = f"f{next(_ns)}"
+    url = url_of(redis_single, ns)
+    t, cache = published(tmp_path, url, n=100)
+    u, _ = published(tmp_path, url, n=300, seed=3, name="a2")
+    r = redis_single.client()
+    k = _manifest_key(ns, t)
+    raw = bytes(r.get(k))
+    doc = msgpack.unpackb(raw[len(MAGIC) + _SUM.size:], raw=False)
+    doc[field] = value
+    body = msgpack.packb(doc, use_bin_type=True)
+    r.set(k, MAGIC + _SUM.pack(xxhash.xxh3_64_intdigest(body)) + body)
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        assert b.lookup(MODEL, t) is None
+        assert b.get(MODEL, t) is None
+        st = b.remote.stats()
+        assert st["errors.corrupt"] == 2 and st["misses"] == 2
+        assert [len(man.tokens) for _, man in b.remote.remote.entries()] == [300]
+        assert b.lookup(MODEL, u).matched == 300
+
+
 def test_resharding_redirects_are_followed(tmp_path, fresh_cluster):
     """Slots move between masters after an entry was published: in half of
     them the move is finished (the client's slot map is stale: MOVED), in the

@@ -316,11 +316,16 @@ def _field(doc: dict, key: str, types: Any, where: str) -> Any:
 _LAST_TIME = 253402300800.0  # 10000-01-01 UTC: past what a datetime holds
 
 
+def is_time(value: float) -> bool:
+    """Whether ``value``, seconds since the epoch, is a time a datetime holds (NaN is not)."""
+    return 0.0 <= value < _LAST_TIME
+
+
 def _created(doc: dict, where: str) -> float:
     """The manifest's ``created`` time: seconds since the epoch that a
     datetime can hold (a damaged one, NaN or 1e300, broke every listing)."""
     value = float(_field(doc, "created", (int, float), where))
-    if not 0.0 <= value < _LAST_TIME:  # NaN fails too
+    if not is_time(value):
         raise CorruptEntry(f"{where}: manifest field 'created' is {value!r}, not a time")
     return value
 

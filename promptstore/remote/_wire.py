@@ -34,9 +34,9 @@ import numpy as np
 import xxhash
 
 from promptstore.codecs import Encoded, decode_layer
-from promptstore.errors import PromptStoreError, UnknownStorageKind, UnsupportedVersion
+from promptstore.errors import InvalidInput, PromptStoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blank, _blocks, _fill
-from promptstore.format._entry import DTYPE_NAMES, DTYPES, MAX_ARRAYS, MAX_LAYERS, MAX_TOKENS
+from promptstore.format._entry import DTYPE_NAMES, DTYPES, MAX_ARRAYS, MAX_LAYERS, MAX_TOKENS, check_meta, is_time
 from promptstore.format._payload import host_bytes
 from promptstore.errors import RemoteCorrupt, RemoteMissing
 
@@ -251,14 +251,21 @@ def _manifest(doc: Any, where: str) -> RManifest:
             arrays.append(_array(adoc, bounds, n, lw))
         version = _field(ldoc, "version", int, lw)
         layers.append(RLayer(_field(ldoc, "kind", str, lw), version, _field(ldoc, "meta", dict, lw), tuple(arrays)))
-    created = _field(doc, "created", (float, int), where)
+    created = float(_field(doc, "created", (float, int), where))
+    if not is_time(created):
+        raise RemoteCorrupt(f"{where}: field 'created' is {created!r}, not a time")
+    meta = _field(doc, "meta", dict, where)
+    try:
+        check_meta(meta)  # what a put accepts, so the local copy can be written and listed
+    except InvalidInput as err:
+        raise RemoteCorrupt(f"{where}: {err}") from err
     return RManifest(
         model=_field(doc, "model", str, where),
         name=_field(doc, "name", str, where),
         tokens=tokens,
         trimmable=_field(doc, "trimmable", bool, where),
-        created=float(created),
-        meta=_field(doc, "meta", dict, where),
+        created=created,
+        meta=meta,
         bounds=bounds,
         layers=tuple(layers),
     )
