@@ -153,6 +153,8 @@ def test_mlx_lm_refuses_and_bad_caches_are_refused():
         next(speculative_generate_step(mx.array(PROMPT), target, draft, prompt_cache=mlx_make_prompt_cache(target)))
     with pytest.raises(InvalidInput):
         next(speculative_generate_step(mx.array(PROMPT), target, draft, num_draft_tokens=0))
+    with pytest.raises(InvalidInput, match="prefill_step_size"):  # was a ValueError from a reshape of y[:0]
+        next(speculative_generate_step(mx.array(PROMPT), target, draft, prefill_step_size=0))
 
 
 def test_sliding_window_caches_run_speculatively_and_other_kinds_are_refused():

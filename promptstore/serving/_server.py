@@ -139,9 +139,13 @@ def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
     try:
         mlx_server.main()
     except _Parsed as parsed:
-        port = getattr(parsed.args[0], "port", None)
+        args = parsed.args[0]
+        port = getattr(args, "port", None)
         if isinstance(port, int) and not 0 <= port <= 65535:  # argparse takes any int; the socket would not
             raise InvalidInput(f"mlx_lm.server refuses its options: --port {port} is not a TCP port (0-65535)") from None
+        step = getattr(args, "prefill_step_size", None)
+        if isinstance(step, int) and step < 1:  # argparse takes any int; every request would then loop or fail
+            raise InvalidInput(f"mlx_lm.server refuses its options: --prefill-step-size {step} must be at least 1") from None
         return
     except _Refused as err:
         raise InvalidInput(f"mlx_lm.server refuses its options: {err}") from None

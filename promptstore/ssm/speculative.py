@@ -235,7 +235,7 @@ def speculative_generate_step(
             A draft token is accepted when the sampled target token equals it.
         prompt_cache, draft_cache: caches to continue and update in place;
             fresh ones from :func:`promptstore.ssm.make_prompt_cache` by default.
-        prefill_step_size: prompt tokens per prefill forward.
+        prefill_step_size: prompt tokens per prefill forward (>= 1).
         stats: filled with round, drafted and accepted counts as generation runs.
         stop_tokens: token ids (e.g. EOS) that end generation: the round that
             produces one yields up to and including it, and its caches keep
@@ -258,6 +258,8 @@ def speculative_generate_step(
     """
     if num_draft_tokens < 1:
         raise InvalidInput(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if prefill_step_size < 1:
+        raise InvalidInput(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     if prompt.size == 0:
         raise InvalidInput("speculative decoding needs at least one prompt token")
     adapt(model)
