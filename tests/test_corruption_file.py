@@ -104,3 +104,33 @@ def test_file_damage_then_salvage(tmp_path):
             assert case["path"] in salv["message"] or "data.mdb" in salv["message"], salv["message"]
     print("\n" + "\n".join(lines))
     assert not crashes, f"LMDB crashed the process on: {crashes}"
+
+
+def test_a_damaged_store_id_file_is_a_typed_error_that_says_what_to_do(tmp_path):
+    """STORE_ID holding bytes that are not text (a reviewer appended three):
+    StoreUnavailable naming the file, where it was a bare UnicodeDecodeError;
+    removing the file as told records the identity again, and nothing is lost."""
+    from click.testing import CliRunner
+
+    from promptstore.cli import main
+    from promptstore.errors import StoreUnavailable
+
+    path = tmp_path / "db"
+    t, c = chat_entry(0, 1)
+    with PromptStore(path) as store:
+        store.put(MODEL, t, c)
+    marker = path / "STORE_ID"
+    marker.write_bytes(marker.read_bytes() + b"\x9d\xcd\xff")
+    try:
+        PromptStore(path)
+    except StoreUnavailable as err:
+        assert str(marker) in str(err) and "remove" in str(err)
+    else:
+        raise AssertionError("a damaged STORE_ID opened")
+    out = CliRunner().invoke(main, ["--store", str(path), "verify", "--json"])
+    doc = json.loads(out.output)
+    assert out.exit_code != 0 and doc["error"] == "StoreUnavailable" and "STORE_ID" in doc["message"], out.output
+    marker.unlink()
+    with PromptStore(path) as store:
+        assert same_cache(store.get(MODEL, t), c) and store.verify().ok
+    assert len(marker.read_text().strip()) == 32

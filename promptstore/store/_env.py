@@ -145,12 +145,14 @@ class Env:
         """
         marker = self.path / STORE_ID_FILE
         try:
-            want: Optional[str] = marker.read_text().strip()
+            want: Optional[str] = marker.read_bytes().decode("ascii").strip()
         except FileNotFoundError:
             want = None
-        except OSError as err:
+        except (OSError, UnicodeDecodeError) as err:
             self.close()
-            raise StoreUnavailable(f"{marker}: cannot read the store's identity ({err})") from err
+            why = "it is not text: damaged" if isinstance(err, UnicodeDecodeError) else err
+            raise StoreUnavailable(f"{marker}: cannot read the store's identity ({why}); if {self.path / 'data.mdb'} "
+                                   f"is this folder's own store, remove {marker} and it is recorded again") from err
         with self.read() as txn:
             raw = txn.get(STORE_ID_KEY, db=self.db.info)
         have = bytes(raw).hex() if raw is not None else None
