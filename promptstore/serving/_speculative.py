@@ -99,20 +99,44 @@ def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
                          checkpoint: Optional[Callable[[List[Any]], None]] = None) -> Any:
     """mlx-lm's ``stream_generate`` with speculative requests served here.
 
+    mlx-lm's server calls it for the requests it serves one at a time (a
+    draft model, a seed, ``--kv-bits``); its batched path does not.
+
     Args:
         mlx_stream_generate: mlx-lm's own function (requests without a draft).
         counters: receives each speculative request's rounds and acceptance.
         checkpoint: called with the server's cache list once it covers the
             prompt but its last token (what mlx-lm's batched path caches as
-            the ``user`` checkpoint, so a repeated prompt is a hit).
+            the ``user`` checkpoint, so a repeated prompt is a hit: on a
+            hybrid model, whose prompt + answer entry cannot be trimmed back,
+            the only one), with a draft or without.
     """
 
     def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
         if draft_model is None:
+            if checkpoint is not None and kwargs.get("input_embeddings") is None and kwargs.get("prompt_cache") is not None:
+                kwargs["prompt_progress_callback"] = _checkpointing(kwargs.get("prompt_progress_callback"),
+                                                                    kwargs["prompt_cache"], checkpoint)
             return mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
         return _speculative(model, tokenizer, prompt, max_tokens, draft_model, counters, checkpoint, **kwargs)
 
     return stream_generate
+
+
+def _checkpointing(progress: Optional[Callable[[int, int], None]], cache: List[Any],
+                   checkpoint: Callable[[List[Any]], None]) -> Callable[[int, int], None]:
+    """mlx-lm's prompt progress callback that also checkpoints ``cache`` when
+    it reports all but the prompt's last token done: ``generate_step`` calls
+    it after each prefill step, once the step's cache is evaluated (and
+    quantized under ``--kv-bits``), before the last token is fed."""
+
+    def report(done: int, total: int) -> None:
+        if 0 < done == total - 1:
+            checkpoint(cache)
+        if progress is not None:
+            progress(done, total)
+
+    return report
 
 
 def refusal(max_tokens: int, logits_processors: Any, kv_bits: Any, num_draft_tokens: int,
