@@ -134,3 +134,64 @@ def test_a_damaged_store_id_file_is_a_typed_error_that_says_what_to_do(tmp_path)
     with PromptStore(path) as store:
         assert same_cache(store.get(MODEL, t), c) and store.verify().ok
     assert len(marker.read_text().strip()) == 32
+
+
+_LMDB_WALK = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=32)
+with env.begin() as txn:
+    for name in (b"ids", b"used", b"lru", b"sizes", b"entries", b"nodes", b"trims"):
+        try:
+            db = env.open_db(name, txn=txn, create=False)
+        except lmdb.NotFoundError:
+            continue
+        for _ in txn.cursor(db=db).iternext(values=False):
+            pass
+"""
+
+
+def test_verify_reports_a_data_file_on_which_lmdb_would_abort(tmp_path):
+    """A leaf page that claims to be a branch page: LMDB's cursor asserts on
+    it and aborts the process (SIGABRT, no output), where a read by key does
+    not go. verify, the command for a damaged store, died so when the page
+    was in a table it walks (a jobs reviewer's finding), and said the store
+    was ok when it was in one it does not (``lru``, say, which eviction
+    walks). It now reports the file damaged either way, and what to do."""
+    import struct
+    import subprocess
+    import sys
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    base = tmp_path / "base"
+    with PromptStore(base) as store:
+        for i in range(300):
+            c = KVCache()
+            c.update_and_fetch(mx.full((1, 1, 4, 8), i, mx.float16), mx.full((1, 1, 4, 8), -i, mx.float16))
+            store.put(MODEL, [i + 3, 7, 9, i + 11], [c])
+    data = (base / "data.mdb").read_bytes()
+    leaves = [p for p in range(2, len(data) // 4096) if struct.unpack_from("<H", data, p * 4096 + 10)[0] == 0x02]
+
+    def damaged(page: int):
+        d = tmp_path / f"p{page}"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(base, d)
+        with open(d / "data.mdb", "r+b") as f:
+            f.seek(page * 4096 + 10)
+            f.write(struct.pack("<H", 0x01))  # P_BRANCH
+        return d
+
+    aborting = []  # the pages LMDB aborts on (not free, not refused with an error)
+    for page in leaves:
+        d = damaged(page)
+        if subprocess.run([sys.executable, "-c", _LMDB_WALK, str(d)], capture_output=True).returncode == -6:
+            aborting.append(page)
+        shutil.rmtree(d)
+    assert len(aborting) >= 20, (len(aborting), len(leaves))
+    for page in aborting[:: len(aborting) // 6][:6]:
+        out = subprocess.run([sys.executable, "-m", "promptstore.cli", "--store", str(damaged(page)), "verify", "--json"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, (page, out.returncode, out.stderr[-500:])
+        doc = json.loads(out.stdout)
+        assert doc["error"] == "StoreUnavailable" and "salvage" in doc["message"] and "damaged" in doc["message"], doc
