@@ -28,13 +28,19 @@ from promptstore.errors import StoreUnavailable
 log = logging.getLogger("promptstore")
 
 # Run as ``python -I -c _CHILD DIR MAX_DBS NAMES DUPSORT``: exit 0 when every
-# table was walked; LMDB's error on stderr and exit 3 when it refused a page.
+# table was walked; LMDB's error on stderr and exit 3 when it refused a page,
+# 4 when it could not open the file at all (a folder this user may not lock:
+# the walk in this process says what is wrong).
 _CHILD = r"""
 import sys
 import lmdb
 where, max_dbs, names, dupsort = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), set(sys.argv[4].split(","))
 try:
     env = lmdb.open(where, readonly=True, max_dbs=max_dbs, subdir=True, max_readers=1024)
+except lmdb.Error as err:
+    sys.stderr.write(f"{type(err).__name__}: {err}")
+    sys.exit(4)
+try:
     with env.begin(buffers=True) as txn:
         for name in names:
             try:
