@@ -453,3 +453,37 @@ def test_a_block_found_damaged_on_an_old_snapshot_is_not_written_again_once_inta
         store.put(MODEL, *second)
         assert block_place(store, key) == before and key not in store._reader.damaged
         assert store.verify().ok and audit_blocks(store) and store.usage() == stored_bytes(store)
+
+
+def test_a_pack_file_missed_at_a_first_look_only_is_not_taken_for_damage(tmp_path):
+    """A read whose snapshot names a pack file that a repack (or compact) has
+    since unlinked meets Vanished, and looks again on a newer snapshot, which
+    finds the blocks where they went. That first look marked them damaged,
+    so exists() said False for the intact entry for the rest of the process
+    (a concurrency reviewer's finding, with compact in another process; a
+    serving writer then re-put it). Only a pack missed again at the second
+    look is lost."""
+    from promptstore.format import _blobs
+    from promptstore.store import _keys
+
+    first, second = chat_entry(0, 0), chat_entry(0, 1)
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        a = store.put(MODEL, *first)
+        b = store.put(MODEL, *second)
+        key = shared_block(store, {a.id, b.id})
+        path = block_place(store, key)[0]
+        ekey = _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(second[0]))
+        saved = path.read_bytes()
+        path.unlink()  # as a repack leaves it for a snapshot taken before its commit
+        with store.env.read(buffers=True) as txn:
+            man = store._reader.manifest(txn, ekey)
+            with pytest.raises(_blobs.Vanished):
+                store._reader.restore(txn, ekey, man)
+            assert not store._reader.damaged
+            path.write_bytes(saved)  # the newer snapshot finds the blocks
+        assert store.exists(MODEL, second[0]) and same_cache(store.get(MODEL, second[0]), second[1])
+        path.unlink()
+        with store.env.read(buffers=True) as txn:  # missed at the second look too: lost
+            with pytest.raises(_blobs.Vanished):
+                store._reader.restore(txn, ekey, man, lost={path.name})
+        assert key in store._reader.damaged and not store.exists(MODEL, second[0])

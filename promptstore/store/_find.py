@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, Collection, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class Finder:
         return (man is not None and man.intact and man.model == model and np.array_equal(man.tokens, toks)
                 and not self._reader.known_damaged(man))
 
-    def exact(self, env: Env, model: str, toks: np.ndarray) -> Optional[Hit]:
+    def exact(self, env: Env, model: str, toks: np.ndarray, lost: Collection[str] = ()) -> Optional[Hit]:
         """The entry of exactly ``toks``, restored; None (a miss, counted) when absent."""
         ekey = _keys.entry_key(_keys.model_id(model), toks)
         with env.read(buffers=True) as txn:
@@ -75,7 +75,7 @@ class Finder:
                 raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
             if not np.array_equal(man.tokens, toks):
                 raise CorruptEntry(f"{self.path} entry {man.entry_id}: stored tokens do not match its key")
-            cache = self._reader.restore(txn, ekey, man)
+            cache = self._reader.restore(txn, ekey, man, lost=lost)
             info = self._catalog.info(txn, ekey, man)
         self._usage.touch(ekey)
         self._usage.count("hits")
@@ -115,7 +115,7 @@ class Finder:
                     # A prefix of a longer entry reads only the blocks it needs.
                     read = man.prefix(matched) if matched < len(man.tokens) else None
                     read = read if read is not None else man
-                    cache = self._reader.restore(txn, ekey, read)
+                    cache = self._reader.restore(txn, ekey, read, lost=lost)
                     if len(read.tokens) > matched:
                         trim_cache(cache, len(read.tokens) - matched)
                 except _blobs.Vanished as err:
@@ -142,13 +142,13 @@ class Finder:
         self._usage.count("misses")
         return None
 
-    def by_id(self, env: Env, key: str, model: Optional[str]) -> Tuple[List[Any], EntryInfo, List[int]]:
+    def by_id(self, env: Env, key: str, model: Optional[str], lost: Collection[str] = ()) -> Tuple[List[Any], EntryInfo, List[int]]:
         """``PromptStore.load``: ``(cache, info, tokens)`` of the entry with id (or unique prefix) ``key``."""
         with env.read(buffers=True) as txn:
             ekey, man = self.resolve(txn, key)
             if model is not None and man.model != model:
                 raise ModelMismatch(f"{self.path} entry {man.entry_id} belongs to model {man.model!r}, not {model!r}")
-            cache = self._reader.restore(txn, ekey, man)
+            cache = self._reader.restore(txn, ekey, man, lost=lost)
             info = self._catalog.info(txn, ekey, man)
         self._usage.touch(ekey)
         return cache, info, man.tokens.tolist()

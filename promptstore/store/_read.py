@@ -32,7 +32,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -106,11 +106,14 @@ class Reader:
                 seen.add(err.blob)
         raise AssertionError("unreachable")
 
-    def restore(self, txn, ekey: bytes, man: _entry.Manifest, remembered: bool = True) -> List[Any]:
+    def restore(self, txn, ekey: bytes, man: _entry.Manifest, remembered: bool = True,
+                lost: Collection[str] = ()) -> List[Any]:
         """The entry's cache, read, checked and decoded inside ``txn``.
 
         ``remembered=False`` (verify) always goes through LMDB, checking every
-        chunk's presence and length.
+        chunk's presence and length. ``lost``: the files an earlier snapshot
+        already missed (:meth:`again`); a pack file among them is lost, and
+        its blocks are remembered as damaged.
         """
         where = f"{self.path} entry {man.entry_id}"
         for li, layer in enumerate(man.layers):  # an entry of a newer promptstore: refused before any byte is read
@@ -121,10 +124,13 @@ class Reader:
         try:
             return self._restore(txn, ekey, man, where, remembered)
         except CorruptEntry as err:
-            if isinstance(err, _blobs.Vanished) and _packs.pack_of(err.blob) is None:
-                raise  # a blob file: deleted or replaced since the snapshot, nothing damaged
-            # Which shared blocks, if any (a pack file vanished too: lost, or
-            # rewritten since): a put of the same content checks them and writes
+            if isinstance(err, _blobs.Vanished) and (_packs.pack_of(err.blob) is None or err.blob not in lost):
+                # A blob file, or a pack file at its first look: deleted, or
+                # rewritten by a repack, since the snapshot; nothing damaged
+                # (the read looks again on a newer one).
+                raise
+            # Which shared blocks, if any (a pack file missed at a second look
+            # too: lost): a put of the same content checks them and writes
             # them again. Once one of the entry's is known, its later failed reads
             # (a lookup on every request of a server, say) are not checked again.
             if man.bounds and not self.known_damaged(man):

@@ -358,7 +358,7 @@ class PromptStore:
             ModelMismatch: the entry's recorded identity is not ``model``.
         """
         toks = _keys.as_tokens(tokens)
-        hit = self._reader.again(lambda lost: self._finder.exact(self.env, model, toks))
+        hit = self._reader.again(lambda lost: self._finder.exact(self.env, model, toks, lost))
         self._flush_soon()
         if hit is None and self._remote is not None:
             found = self._remote.remote.get(remote_key(model, toks))
@@ -427,7 +427,7 @@ class PromptStore:
             ModelMismatch: ``model`` is given and the entry belongs to another.
             CorruptEntry, UnknownStorageKind, UnsupportedVersion.
         """
-        return self._reader.again(lambda lost: self._finder.by_id(self.env, key, model))
+        return self._reader.again(lambda lost: self._finder.by_id(self.env, key, model, lost))
 
     # -- inspecting ------------------------------------------------------------
 

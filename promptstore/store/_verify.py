@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Collection, Dict, List, Optional, Set, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _packs
@@ -57,7 +57,7 @@ class Maintenance:
             gone: Set[str] = set()  # files found missing, each looked for again on a newer snapshot
             while isinstance(err, _blobs.Vanished) and err.blob not in gone and len(gone) < _LOOKS:
                 gone.add(err.blob)
-                raw, err, gen = self._look(ekey, eid)
+                raw, err, gen = self._look(ekey, eid, gone)
             if err is None:
                 continue  # intact, or deleted since the snapshot
             if isinstance(err, _blobs.Vanished) and err.blob not in gone:
@@ -168,7 +168,7 @@ class Maintenance:
         for pack in _packing.rebuild(txn, db, lambda key: _budget.ref_size(txn.get(key, db=db.refs))):
             self._writer.unlink_pack_later(pack)
 
-    def _look(self, ekey: bytes, eid: str) -> Tuple[Optional[bytes], Optional[PromptStoreError], str]:
+    def _look(self, ekey: bytes, eid: str, gone: Collection[str] = ()) -> Tuple[Optional[bytes], Optional[PromptStoreError], str]:
         """Check the entry at ``ekey`` in a new snapshot: its manifest there
         (None: no entry), what reading it met (None: intact) and the
         generation the snapshot was of.
@@ -191,7 +191,7 @@ class Maintenance:
                 mid = model_of(ekey)
                 if man.entry_id != eid or _keys.model_id(man.model) != mid or _keys.entry_key(mid, man.tokens) != ekey:
                     raise CorruptEntry(f"entry {eid}: manifest does not match its key")
-                self._reader.restore(txn, ekey, man, remembered=False)
+                self._reader.restore(txn, ekey, man, remembered=False, lost=gone)
         except StoreClosed:
             raise  # closed by another thread: the rest was not checked, not found damaged
         except PromptStoreError as err:
