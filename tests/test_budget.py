@@ -338,6 +338,24 @@ def test_gc_plan_spares_what_was_pinned_or_deleted_since(tmp_path):
         assert ids(store) == {infos[1].id}
 
 
+def test_gc_plan_spares_an_entry_put_again_since(tmp_path):
+    """The plan names entries by id, and a put of the same tokens gets the
+    same id: an entry evicted (or deleted) after the plan and put again is not
+    the planned one. `gc --budget` evicted it so, silently, in its second
+    call (a concurrency reviewer's finding, with a put from another process)."""
+    with PromptStore(tmp_path / "s") as store:
+        puts = [make_entry(34, i, big_every=0) for i in range(4)]
+        infos = [store.put(MODEL, t, c) for t, c in puts]
+        budget = store.usage() - infos[0].nbytes // 2
+        plan = store.gc(budget=budget, dry_run=True)
+        assert plan.evicted == (infos[0].id,) and len(plan.created) == 1
+        assert store.set_budget(budget, plan=plan).evicted == (infos[0].id,)
+        again = store.put(MODEL, *puts[0])  # meanwhile, as by another process
+        assert again.id == infos[0].id
+        assert store.gc(plan=plan).evicted == ()  # the CLI's second call
+        assert same_cache(store.get(MODEL, puts[0][0]), puts[0][1])
+
+
 def test_remove_planned_leaves_an_entry_replaced_since_the_plan(tmp_path):
     """rm's plan names entries as they were; one replaced by a newer put (same
     tokens, so same id) after the plan is reported, not deleted."""

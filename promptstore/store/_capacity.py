@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
-from promptstore.errors import EntryNotFound, InvalidInput, StoreFull
+from promptstore.errors import EntryNotFound, InvalidInput, PromptStoreError, StoreFull
+from promptstore.format import _entry
 from promptstore.store import _budget, _keys
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import Env
@@ -89,7 +90,16 @@ class Capacity:
         if budget is None:
             return GcReport((), 0, _budget.usage(txn, self._db), None, True)
         victims, after = _budget.plan(txn, self._db, budget, set(), self._writer.freed_by(txn))
-        return GcReport(tuple(_keys.entry_id(k) for k, _ in victims), sum(s for _, s in victims), after, budget, True)
+        return GcReport(tuple(_keys.entry_id(k) for k, _ in victims), sum(s for _, s in victims), after, budget, True,
+                        tuple(self._created(txn, k) for k, _ in victims))
+
+    def _created(self, txn, ekey: bytes) -> float:
+        """The created time of the entry at ``ekey``; -1.0 when missing or unreadable."""
+        raw = txn.get(ekey, db=self._db.entries)
+        try:
+            return _entry.unpack_manifest(bytes(raw), f"{self.path} entry {_keys.entry_id(ekey)}").created if raw is not None else -1.0
+        except PromptStoreError:
+            return -1.0
 
     def _evict(self, txn, budget: Optional[int], plan: Optional[GcReport]) -> GcReport:
         """Evict down to ``budget`` by LRU order, or exactly the entries of
@@ -119,13 +129,16 @@ class Capacity:
         victims: List[Tuple[bytes, int]] = []
         seen: Set[bytes] = set()
         freed = self._writer.freed_by(txn)
-        for eid in plan.evicted:
+        created = plan.created if len(plan.created) == len(plan.evicted) else ()  # one per entry, or by id alone
+        for i, eid in enumerate(plan.evicted):
             try:
                 ekey = self._catalog.resolve(txn, eid)
             except EntryNotFound:
                 continue  # deleted since the plan
             if ekey in seen or _budget.is_pinned(txn, self._db, ekey):
                 continue  # pinned since the plan: never evicted
+            if created and created[i] >= 0 and self._created(txn, ekey) != created[i]:
+                continue  # put again since the plan: not the entry planned
             seen.add(ekey)
             victims.append((ekey, freed(ekey)))
         return victims

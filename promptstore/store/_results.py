@@ -82,6 +82,10 @@ class GcReport:
     usage: int  # bytes accounted after eviction
     budget: Optional[int]
     dry_run: bool
+    # A dry run's: each evicted entry's created time (seconds since the epoch,
+    # -1.0 where its manifest is unreadable), so that gc(plan=...) leaves an
+    # entry put again under the same id since the plan.
+    created: Tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
