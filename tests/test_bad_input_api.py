@@ -254,3 +254,12 @@ def test_an_empty_store_path_is_invalid_input(tmp_path, monkeypatch):
     with pytest.raises(InvalidInput, match="store path is empty"):
         PromptStore("")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_meta_with_a_tuple_is_returned_as_it_reads_back(pinned):
+    """README: put's meta is what reads back as written. A tuple is stored as
+    a list; the EntryInfo put returned held the tuple (a docs reviewer's finding)."""
+    path, fp, toks, cache, eid = pinned
+    with PromptStore(path) as st:
+        info = st.put(fp, toks, cache, meta={"a": (1, (2, 3)), "b": {"c": ()}})
+        assert info.meta == st.info(info.id).meta == {"a": [1, [2, 3]], "b": {"c": []}}

@@ -231,6 +231,15 @@ _META_LEN = min(MAX_ARRAYS, 1 << 16)  # items of one list or map: unpack_manifes
 _META_STR = 1 << 20  # UTF-8 bytes of one string: unpack_manifest's max_str_len
 
 
+def meta_as_read(value: Any) -> Any:
+    """``value`` (checked by :func:`check_meta`) as it reads back: tuples are lists."""
+    if isinstance(value, dict):
+        return {k: meta_as_read(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [meta_as_read(v) for v in value]
+    return value
+
+
 def check_meta(meta: Any) -> None:
     """Refuse entry metadata that would not read back as written, nor print as JSON.
 

@@ -178,13 +178,13 @@ class PromptStore:
 
     def flush(self) -> None:
         """Write recorded last-use times and hit counters (done on every put,
-        on close, and in the background within ``Usage.FLUSH_EVERY`` seconds
+        on close, and in the background within ``_usage.FLUSH_EVERY`` seconds
         of a read; a store opened read-only keeps them to itself)."""
         if not self.env.readonly and self._usage.pending():
             self.env.write(self._usage.flush_in)
 
     def _flush_soon(self) -> None:
-        """Have recorded usage written within ``Usage.FLUSH_EVERY`` seconds, in the background."""
+        """Have recorded usage written within ``_usage.FLUSH_EVERY`` seconds, in the background."""
         env = self._env
         if env is not None and not env.readonly and os.getpid() == env.pid:
             self._usage.flush_soon(env, self.flush)
@@ -242,6 +242,7 @@ class PromptStore:
         check_coverage(layers, n, coverage)
         if meta is not None:
             _entry.check_meta(meta)  # early, before encoding; every write checks it again as it packs the manifest
+            meta = _entry.meta_as_read(meta)  # what the returned EntryInfo and the remote copy hold
         encoded = [encode_layer(layer) for layer in layers]
         trimmable = is_trimmable(layers)
         name = model_name_of(model)
@@ -344,7 +345,7 @@ class PromptStore:
     def touch(self, model: str, tokens: _keys.Tokens) -> None:
         """Record a use of the entry of exactly ``tokens`` (if stored) for the
         eviction order, reading nothing: for a caller that served it from its
-        own memory (written within ``Usage.FLUSH_EVERY`` seconds)."""
+        own memory (written within ``_usage.FLUSH_EVERY`` seconds)."""
         toks = _keys.as_tokens(tokens)
         self._usage.touch(_keys.entry_key(_keys.model_id(model), toks))
         self._flush_soon()
