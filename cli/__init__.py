@@ -19,7 +19,7 @@ from promptstore.cli._common import Ctx, Group, global_store
     envvar="PROMPTSTORE_DIR",
     default=None,
     callback=global_store,
-    help="Store directory [env PROMPTSTORE_DIR; default ~/.cache/promptstore].",
+    help="Store directory [env PROMPTSTORE_DIR; default $XDG_CACHE_HOME/promptstore, else ~/.cache/promptstore (~/Library/Caches/promptstore on macOS)].",
 )
 @click.option(
     "--remote",

@@ -295,7 +295,7 @@ def warn(message: str) -> None:
 
 
 def model_option(required: bool = True, help: str = "mlx-lm model directory.") -> Callable:
-    return click.option("--model", "model_dir", required=required, type=click.Path(file_okay=False), help=help)
+    return click.option("--model", "model_dir", required=required, type=click.Path(file_okay=False), metavar="DIR|ORG/NAME", help=help)
 
 
 def info_json(info) -> dict:

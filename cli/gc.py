@@ -55,7 +55,7 @@ def gc(obj, budget, dry_run, yes, as_json):
     """Evict least-recently-used unpinned entries until the store fits its budget.
 
     With --budget, the new budget is stored first (every later put then evicts
-    by itself). Also removes blob files no entry names (left by killed puts).
+    by itself). Also removes blob and pack files no entry names (left by killed puts).
     The data file does not shrink: run `promptstore compact`.
     """
     # A dry run only reads: it plans on a store this user may only read, too.

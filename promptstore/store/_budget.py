@@ -13,7 +13,7 @@ Tables (in the store's LMDB environment):
 * ``pins[ekey]``       present when the entry is pinned (never evicted).
 * ``used[ekey]``       f64 last use (written by the store; reads are recorded
   in memory and flushed in the next write transaction, within
-  ``Usage.FLUSH_EVERY`` seconds, or on close).
+  ``_usage.FLUSH_EVERY`` seconds, or on close).
 * ``lru[used + ekey]`` the same, ordered: eviction walks it from the oldest,
   so its cost grows with what it evicts (and the pinned entries it passes),
   not with the number of entries.
