@@ -12,7 +12,7 @@ from promptstore.store import _budget, _index, _keys, _packing
 from promptstore.store._env import Env
 from promptstore.store._read import _LOOKS, Reader
 from promptstore.store._results import VerifyReport
-from promptstore.store._schema import DUPSORT, PACKS, PLACES, TABLES, Tables, model_of, owner_of_chunk
+from promptstore.store._schema import PACKS, PLACES, Tables, model_of, owner_of_chunk
 from promptstore.store._walk import walk_tables
 from promptstore.store._write import EntryWriter
 
@@ -35,7 +35,7 @@ class Maintenance:
         newer: List[Tuple[str, str]] = []  # intact entries written by a newer promptstore: kept
         bad: Dict[bytes, Tuple[Optional[bytes], str]] = {}  # entry key -> (the manifest bytes found damaged, in generation)
         db = self._db
-        walk_tables(self._env.dir, TABLES, DUPSORT, len(TABLES) + 1)  # where LMDB would abort this process: raises
+        walk_tables(self._env.dir)  # where LMDB would abort this process: raises
         # One snapshot for the entry list and the chunk list: a put commits its
         # chunks and manifest together, so only true orphans differ between them.
         with self._env.read() as txn:

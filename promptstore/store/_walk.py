@@ -21,9 +21,9 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterable
 
 from promptstore.errors import StoreUnavailable
+from promptstore.store._schema import DUPSORT, TABLES
 
 log = logging.getLogger("promptstore")
 
@@ -55,16 +55,15 @@ except lmdb.Error as err:
 """
 
 
-def walk_tables(where: Path, names: Iterable[bytes], dupsort: Iterable[bytes], max_dbs: int) -> None:
-    """Walk every table ``names`` of the data file in folder ``where`` in a
-    child process (``dupsort``: those opened as such).
+def walk_tables(where: Path) -> None:
+    """Walk every table of the data file in folder ``where`` in a child process.
 
     Raises:
         StoreUnavailable: LMDB aborted the child, or refused a page of the file.
     """
     data = where / "data.mdb"
-    argv = [sys.executable, "-I", "-c", _CHILD, str(where), str(max_dbs),
-            ",".join(n.decode() for n in names), ",".join(n.decode() for n in dupsort)]
+    argv = [sys.executable, "-I", "-c", _CHILD, str(where), str(len(TABLES) + 1),
+            ",".join(n.decode() for n in TABLES), ",".join(n.decode() for n in DUPSORT)]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
     except OSError as err:  # no interpreter to run (an embedded one): verify goes on without the walk
@@ -72,7 +71,7 @@ def walk_tables(where: Path, names: Iterable[bytes], dupsort: Iterable[bytes], m
         return
     if proc.returncode == 0:
         return
-    if proc.returncode < 0 or proc.returncode == 3 or "mdb.c" in proc.stderr:
+    if proc.returncode < 0 or proc.returncode == 3:
         what = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         if proc.returncode < 0:
             what = f"LMDB aborted reading it: {what} (signal {-proc.returncode})"
