@@ -9,7 +9,7 @@ from typing import Any
 
 from promptstore.errors import InvalidInput
 
-__all__ = ["cache_root", "default_path", "store_path", "user_path"]
+__all__ = ["cache_root", "default_path", "durable", "store_path", "user_path"]
 
 
 def user_path(path: Any, what: str = "path") -> Path:
@@ -69,3 +69,18 @@ def store_path(path: Any) -> Path:
     if os.fspath(path) == "":
         raise InvalidInput("the store path is empty; name a folder (\".\" for the current one)")
     return user_path(path, "the store path")
+
+
+def durable(path: Path) -> None:
+    """``fsync`` the file or folder at ``path``: its bytes, or its entries
+    (names created, renamed or removed in it), are on the device when this
+    returns.
+
+    Raises:
+        OSError: it cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

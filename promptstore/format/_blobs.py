@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Sequence
 
+from promptstore._paths import durable
 from promptstore.format import _entry, _fill, _pages, _payload
 from promptstore.errors import CorruptEntry, StoreError, StoreFull
 
@@ -122,14 +123,6 @@ def _skip(batch: List[memoryview], n: int) -> List[memoryview]:
     return batch
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Blobs:
     """The blob files of one store (``<store>/blobs``); with other arguments,
     another directory of files written the same way (``format._packs``)."""
@@ -147,7 +140,7 @@ class Blobs:
         if self.dir.is_dir():
             return
         self.dir.mkdir(exist_ok=True)
-        _fsync_dir(self.root)
+        durable(self.root)
 
     def write(self, name: str, views: Sequence[memoryview]) -> None:
         """Write the payload ``views`` (back to back) to a new blob file and
@@ -169,7 +162,7 @@ class Blobs:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            _fsync_dir(self.dir)
+            durable(self.dir)
         except BaseException as err:
             self.unlink(name)
             if isinstance(err, OSError):

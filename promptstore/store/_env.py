@@ -33,7 +33,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -45,7 +44,7 @@ import lmdb
 from promptstore.format import _pages
 from promptstore.store._faults import open_tables, translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
-from promptstore.store._lmdbfile import CURRENT, live_dir, sweep_pointers
+from promptstore.store._lmdbfile import CURRENT, copy_generation, live_dir, remove_generations, switch_current
 from promptstore.store._schema import (
     FORMAT_KEY, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
 )
@@ -534,38 +533,16 @@ class Env:
                         continue
                     before = (gen.dir / "data.mdb").stat().st_size
                     n = 0 if gen.name == "." else int(gen.name[4:])
-                    new_name = f"gen-{n + 1}"
-                    new_dir = self.path / new_name
-                    shutil.rmtree(new_dir, ignore_errors=True)
-                    new_dir.mkdir()
                     rtxn = gen.env.begin(write=False)
                     try:
-                        gen.env.copy(str(new_dir), compact=True, txn=rtxn)
+                        new_name, after = copy_generation(gen.env, rtxn, self.path, n + 1)
                     finally:
                         rtxn.abort()
-                    fd = os.open(new_dir / "data.mdb", os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    after = (new_dir / "data.mdb").stat().st_size
-                    tmp = self.path / f"{CURRENT}.{os.getpid()}.tmp"
-                    tmp.write_text(new_name + "\n")
-                    fd = os.open(tmp, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    os.replace(tmp, self.path / CURRENT)
-                    dfd = os.open(self.path, os.O_RDONLY)
-                    try:
-                        os.fsync(dfd)
-                    finally:
-                        os.close(dfd)
+                    switch_current(self.path, new_name)
                     # Still under the old generation's write lock: only generations up to
                     # the one just copied are removed; a newer one (a concurrent compaction
                     # that ran after ours) is never touched.
-                    self._remove_old(n)
+                    remove_generations(self.path, n)
                 finally:
                     wtxn.abort()
             except lmdb.Error as err:
@@ -578,20 +555,6 @@ class Env:
                 self._release(gen, token)
             self._release(*self._follow(force=True))
             return before, after
-
-    def _remove_old(self, upto: int) -> None:
-        """Unlink the top-level generation and ``gen-1`` .. ``gen-<upto>`` (mappings
-        other processes hold stay valid until they follow ``CURRENT``)."""
-        for name in ("data.mdb", "lock.mdb"):
-            try:
-                os.unlink(self.path / name)
-            except FileNotFoundError:
-                pass
-        for d in self.path.glob("gen-*"):
-            suffix = d.name[4:]
-            if suffix.isdigit() and int(suffix) <= upto and d.is_dir():
-                shutil.rmtree(d, ignore_errors=True)
-        sweep_pointers(self.path)
 
     def data_file(self) -> _pages.DataFile:
         """The live generation's data file as mapped here, its mapping re-read

@@ -14,16 +14,23 @@ the end is seen, never touched through the map.
 
 Only the LMDB 0.9 layout on 64-bit machines is read (what py-lmdb bundles):
 16-byte page headers, 48-byte table records, meta pages 0 and 1.
+
+The store folder's generations live here too: ``CURRENT``, which names the
+live one, and the file work of a compaction (copy, switch, removal of the
+old ones), which ``Env.compact`` runs under the locks it holds
+(``promptstore.store._env`` explains the scheme).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import time
 from pathlib import Path
-from typing import List, Optional, Set, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
+from promptstore._paths import durable
 from promptstore.errors import StoreUnavailable
 
 _HEADER = 16  # pgno u64, pad u16, flags u16, lower/upper u16 (or overflow page count u32)
@@ -128,6 +135,58 @@ def pages_in_use(path: os.PathLike, psize: int, txnid: int) -> Optional[int]:
 
 
 CURRENT = "CURRENT"  # names the live generation's directory (``Env``, compaction)
+
+# Compaction's file work (``Env.compact`` holds the locks): a generation is
+# a directory ``gen-N`` holding ``data.mdb`` and ``lock.mdb`` (generation 0
+# is the store folder's own two files), and ``CURRENT`` names the live one.
+
+
+def copy_generation(env: Any, txn: Any, store: Path, n: int) -> Tuple[str, int]:
+    """Copy the snapshot ``txn`` of the LMDB environment ``env`` compactly
+    into generation ``n`` of the store folder ``store`` (a directory left
+    there by an earlier, interrupted compaction is replaced), its data file
+    synced; return the generation's name and its data file's size. Nothing
+    reads it until :func:`switch_current` names it.
+
+    Raises:
+        OSError, lmdb.Error: the copy failed (the caller reports it).
+    """
+    name = f"gen-{n}"
+    where = store / name
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir()
+    env.copy(str(where), compact=True, txn=txn)
+    durable(where / "data.mdb")
+    return name, (where / "data.mdb").stat().st_size
+
+
+def switch_current(store: Path, name: str) -> None:
+    """Make generation ``name`` the live one of the store folder ``store``,
+    durably: ``CURRENT`` is written beside its old self under this
+    process's name (``CURRENT.<pid>.tmp``, which :func:`sweep_pointers`
+    removes once its process is dead), synced, renamed over it, and the
+    folder synced."""
+    tmp = store / f"{CURRENT}.{os.getpid()}.tmp"
+    tmp.write_text(name + "\n")
+    durable(tmp)
+    os.replace(tmp, store / CURRENT)
+    durable(store)
+
+
+def remove_generations(store: Path, upto: int) -> None:
+    """Unlink generation 0 and ``gen-1`` .. ``gen-<upto>`` of the store
+    folder ``store``, and stray ``CURRENT`` files (mappings other processes
+    hold stay valid until they follow ``CURRENT``)."""
+    for name in ("data.mdb", "lock.mdb"):
+        try:
+            os.unlink(store / name)
+        except FileNotFoundError:
+            pass
+    for d in store.glob("gen-*"):
+        suffix = d.name[4:]
+        if suffix.isdigit() and int(suffix) <= upto and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+    sweep_pointers(store)
 
 
 def live_dir(path: Path) -> Tuple[Path, str]:
