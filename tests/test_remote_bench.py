@@ -3,9 +3,14 @@ redis-server, a published entry restored bit-exact in B, figures that add up."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from _redis import redis_binary  # noqa: F401
 from promptstore.bench import _data as data
 from promptstore.bench._remote import remote_cases
+from promptstore.remote._server import start_server
 
 
 def test_remote_cases_measure_a_real_server(tmp_path, redis_binary):
@@ -25,3 +30,17 @@ def test_remote_cases_skip_without_a_server_binary(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMPTSTORE_REDIS_SERVER", str(tmp_path / "no-such-redis-server"))
     out = remote_cases(tmp_path / "bench", data.QUICK, 256, repeats=1)
     assert set(out) == {"skipped"} and "redis-server" in out["skipped"]
+
+
+def test_remote_cases_run_in_a_relative_folder(tmp_path, monkeypatch, redis_binary):
+    # `promptstore bench --dir scratch`: redis-server enters its --dir before
+    # it opens its log, so a relative folder made it exit at once.
+    monkeypatch.chdir(tmp_path)
+    out = remote_cases(Path("bench"), data.QUICK, 256, repeats=1)
+    assert "skipped" not in out, out
+    assert out["bits_exact"] is True
+
+
+def test_a_server_that_refuses_its_arguments_says_why(tmp_path, redis_binary):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 1: .*no-such-directive"):
+        start_server(redis_binary, tmp_path, extra=["--no-such-directive", "1"])

@@ -126,7 +126,9 @@ def start_server(binary: str, root: Path, cluster: bool = False, extra: Optional
         RuntimeError: it exited, or did not answer in ``START_TIMEOUT`` s (then it is killed).
     """
     port = free_port()
-    d = Path(root) / f"redis-{port}"
+    # Absolute: redis-server enters --dir before it opens --logfile, so a
+    # relative folder (``bench --dir scratch``) would name a log it cannot open.
+    d = Path(root).absolute() / f"redis-{port}"
     d.mkdir(parents=True)
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "", "--appendonly", "no",
             "--protected-mode", "no", "--daemonize", "no", "--logfile", str(d / "log")]
@@ -134,13 +136,14 @@ def start_server(binary: str, root: Path, cluster: bool = False, extra: Optional
         args += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
                  "--cluster-node-timeout", "2000"]
     args += extra or []
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    with open(d / "stderr", "wb") as err_file:  # what it says before its log is open (a bad argument)
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err_file, stdin=subprocess.DEVNULL)
     server = RedisServer(port, d, proc)
     deadline = time.monotonic() + START_TIMEOUT
     while True:
         if proc.poll() is not None:
-            log = (d / "log").read_text() if (d / "log").exists() else ""
-            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}: {log[-2000:]}")
+            said = "".join((d / name).read_text(errors="replace") for name in ("stderr", "log") if (d / name).exists())
+            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}: {said.strip()[-2000:]}")
         try:
             if server.client().ping():
                 return server
