@@ -11,6 +11,7 @@ from promptstore.codecs._registry import (
     base_kind,
     codec_for_kind,
     codec_for_layer,
+    check_encoded,
     codecs,
     MissingCapability,
     decode_layer,

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from promptstore.errors import (
     CorruptEntry,
+    CoverageMismatch,
     InvalidInput,
     MissingCapability,
     PromptStoreError,
@@ -292,11 +293,54 @@ def storage_kind(layer: Any) -> str:
     return codec_for_layer(layer).kind_of(layer)
 
 
+# What a codec raises on a layer whose state is not what mlx-lm leaves
+# (an array of too few dimensions, a numpy array, None where an array goes).
+_BAD_STATE = (TypeError, ValueError, IndexError, AttributeError, KeyError)
+
+
 def encode_layer(layer: Any) -> Encoded:
-    """Encode one layer with its exact-type codec at the codec's current version."""
+    """Encode one layer with its exact-type codec at the codec's current version.
+
+    Raises:
+        UnknownStorageKind: no codec for the layer's class.
+        InvalidInput: its state cannot be encoded, or an array it holds is
+            not an mlx array.
+    """
     codec = codec_for_layer(layer)
-    arrays, meta = codec.encode(layer)
+    try:
+        arrays, meta = codec.encode(layer)
+    except _BAD_STATE as err:
+        raise InvalidInput(f"cannot store this {type(layer).__name__}: {type(err).__name__}: {err}") from err
+    for name, value in arrays.items():
+        if not isinstance(value, mx.array):
+            raise InvalidInput(f"cannot store this {type(layer).__name__}: its {name!r} is a {type(value).__name__}, not an mlx array")
     return Encoded(codec.kind_of(layer), codec.version, arrays, meta)
+
+
+def check_encoded(encoded: Sequence[Encoded], n: int) -> None:
+    """Refuse layers whose encoding would not read back as a layer of ``n``
+    tokens: each is decoded as a get decodes it (its arrays' shapes against
+    its meta; no bytes are read), and a layer that reports its coverage must
+    report ``n``. A cache whose arrays disagree with its own state (keys
+    shorter than its offset, a window index past its keys) would otherwise
+    be stored, replacing an intact entry, and fail every read.
+
+    Raises:
+        InvalidInput: a layer would not decode.
+        CoverageMismatch: a layer would decode covering another number of tokens.
+    """
+    for i, enc in enumerate(encoded):
+        codec = readable_codec(enc.kind, enc.version)
+        try:
+            layer = codec.decode(enc.arrays, enc.meta, enc.version)
+        except (CorruptEntry, *_BAD_STATE) as err:
+            raise InvalidInput(f"layer {i} ({enc.kind}): its arrays disagree with its state, so it could not be read back: {err}") from err
+        covers = codec.coverage(layer)
+        if covers is not None and covers != n:
+            raise CoverageMismatch(
+                f"layer {i} ({enc.kind}) holds {covers} tokens of state, not the {n} it reports: "
+                "its arrays are shorter than its offset"
+            )
 
 
 def detached(encoded: Sequence[Encoded]) -> List[Encoded]:

@@ -247,7 +247,14 @@ def put_row(store: Any, model: str, tokens: Tokens, batch_cache: Sequence[Any], 
 
 
 def row_nbytes(serial_cache: Sequence[Any]) -> int:
-    """Bytes of the arrays that carry a serial row's state (what put_row writes)."""
+    """Bytes of the arrays that carry a serial row's state (what put_row writes).
+
+    Raises:
+        InvalidInput: ``serial_cache`` is not a list of cache layers.
+        UnknownStorageKind: a layer's class has no codec.
+    """
+    if serial_cache is None or isinstance(serial_cache, (str, bytes, dict)) or not hasattr(serial_cache, "__iter__"):
+        raise InvalidInput(f"serial_cache must be a list of cache layers, not {type(serial_cache).__name__}")
     return sum(int(a.nbytes) for layer in serial_cache for a in encode_layer(layer).arrays.values())
 
 

@@ -263,3 +263,188 @@ def test_meta_with_a_tuple_is_returned_as_it_reads_back(pinned):
     with PromptStore(path) as st:
         info = st.put(fp, toks, cache, meta={"a": (1, (2, 3)), "b": {"c": ()}})
         assert info.meta == st.info(info.id).meta == {"a": [1, [2, 3]], "b": {"c": []}}
+
+
+# -- caches whose arrays disagree with their own state --------------------------
+
+
+def _kv(n_pos, offset, keys=True):
+    from mlx_lm.models.cache import KVCache
+    import mlx.core as mx
+
+    c = KVCache()
+    c.keys = mx.ones((1, 2, n_pos, 4)) if keys else None
+    c.values = mx.ones((1, 2, n_pos, 4))
+    c.offset = offset
+    return c
+
+
+def _rotating(idx):
+    from mlx_lm.models.cache import RotatingKVCache
+    import mlx.core as mx
+
+    r = RotatingKVCache(8)
+    r.keys, r.values, r.offset, r._idx = mx.ones((1, 2, 8, 4)), mx.ones((1, 2, 8, 4)), 20, idx
+    return r
+
+
+def _quantized_short_biases():
+    from mlx_lm.models.cache import KVCache
+    import mlx.core as mx
+
+    c = KVCache()
+    c.keys, c.values, c.offset = mx.ones((1, 2, 20, 64)), mx.ones((1, 2, 20, 64)), 20
+    q = c.to_quantized(32, 4)
+    q.keys = (q.keys[0], q.keys[1], q.keys[2][..., :10, :])
+    return q
+
+
+def _concat(offset):
+    from mlx_lm.models.cache import ConcatenateKVCache
+    import mlx.core as mx
+
+    c = ConcatenateKVCache()
+    c.keys, c.values, c.offset = mx.ones((1, 2, 20, 4)), mx.ones((1, 2, 20, 4)), offset
+    return c
+
+
+# (a cache of 20 tokens by its own account, the error): each was stored and
+# replaced an intact entry, and every read of it then failed (or, keys None,
+# read back as an empty cache).
+UNREADABLE = [
+    pytest.param(lambda: [_kv(15, 20)], 20, "InvalidInput", id="keys-shorter-than-offset"),
+    pytest.param(lambda: [_kv(20, 20, keys=False)], 20, "CoverageMismatch", id="keys-none-values-set"),
+    pytest.param(lambda: [_rotating(12)], 20, "InvalidInput", id="rotating-index-past-keys"),
+    pytest.param(lambda: [_rotating(-3)], 20, "InvalidInput", id="rotating-negative-index"),
+    pytest.param(lambda: [_quantized_short_biases()], 20, "InvalidInput", id="quantized-short-biases"),
+    pytest.param(lambda: [_concat(30)], 30, "InvalidInput", id="concat-offset-past-keys"),
+]
+
+
+@pytest.mark.parametrize("bad,n,error", UNREADABLE)
+def test_a_cache_that_could_not_be_read_back_is_refused_and_the_entry_kept(tmp_path, bad, n, error):
+    import mlx.core as mx
+
+    import promptstore.errors as errors
+
+    layers = bad()
+    toks = list(range(1, n + 1))
+    good = [_kv(n, n)]
+    good[0].keys = mx.arange(2 * n * 4, dtype=mx.float32).reshape(1, 2, n, 4)
+    with PromptStore(tmp_path / "s") as st:
+        st.put("m@x", toks, good)
+        with pytest.raises(getattr(errors, error)):
+            st.put("m@x", toks, layers)
+        assert same_cache(st.get("m@x", toks), good)  # the intact entry is still there, bit for bit
+        assert st.verify().problems == ()
+
+
+NOT_MLX = [
+    pytest.param(lambda: __import__("numpy").ones((1, 2, 20, 4), "float32"), "ndarray", id="numpy"),
+    pytest.param(lambda: [1], "cannot store this KVCache", id="list"),
+    pytest.param(lambda: __import__("mlx.core", fromlist=["ones"]).ones((20,)), "cannot store this KVCache", id="one-dimension"),
+]
+
+
+@pytest.mark.parametrize("make,message", NOT_MLX)
+def test_layer_arrays_that_are_not_mlx_arrays_of_a_cache_layout_are_refused(tmp_path, make, message):
+    c = _kv(20, 20)
+    c.keys, c.values = make(), make()
+    with PromptStore(tmp_path / "s") as st:
+        with pytest.raises(InvalidInput, match=message):
+            st.put("m@x", list(range(20)), [c])
+        assert list(st.entries()) == []
+
+
+def test_an_arrays_slot_that_is_not_an_mlx_array_is_refused(tmp_path):
+    import numpy as np
+    from mlx_lm.models.cache import ArraysCache
+
+    a = ArraysCache(1)
+    a[0] = np.ones((1, 3), np.float32)
+    with PromptStore(tmp_path / "s") as st, pytest.raises(InvalidInput, match="not an mlx array"):
+        st.put("m@x", list(range(20)), [a], coverage=20)
+
+
+# -- plans, store options, closed stores, serving-cache arguments ---------------
+
+
+@pytest.mark.parametrize("evicted", ["0123456789abcdef", None, ("0123",), (1,)], ids=["a-string", "none", "a-prefix", "an-int"])
+def test_a_gc_plan_whose_ids_are_not_whole_ids_is_refused_and_evicts_nothing(tmp_path, evicted):
+    from promptstore import GcReport
+
+    with PromptStore(tmp_path / "s") as st:
+        for i in range(12):
+            st.put("m@x", list(range(i, i + 20)), [_kv(20, 20)])
+        plan = st.gc(budget=0, dry_run=True)
+        # A string walked character by character evicted entries never planned.
+        bad = GcReport(evicted, plan.freed, plan.usage, plan.budget, True)
+        with pytest.raises(InvalidInput, match="plan.evicted"):
+            st.gc(plan=bad)
+        assert len(list(st.entries())) == 12
+
+
+def test_a_gc_plan_with_bad_created_times_is_refused(tmp_path):
+    from promptstore import GcReport
+
+    with PromptStore(tmp_path / "s") as st:
+        st.put("m@x", list(range(20)), [_kv(20, 20)])
+        plan = st.gc(budget=0, dry_run=True)
+        with pytest.raises(InvalidInput, match="plan.created"):
+            st.gc(plan=GcReport(plan.evicted, plan.freed, plan.usage, plan.budget, True, created=None))  # type: ignore[arg-type]
+        assert len(list(st.entries())) == 1
+
+
+@pytest.mark.parametrize("plan", [[None], None, "abc", [1]], ids=["none-item", "none", "a-string", "an-int"])
+def test_remove_planned_takes_entry_infos_only(tmp_path, plan):
+    with PromptStore(tmp_path / "s") as st:
+        st.put("m@x", list(range(20)), [_kv(20, 20)])
+        with pytest.raises(InvalidInput, match="EntryInfo"):
+            st.remove_planned(plan)
+        assert len(list(st.entries())) == 1
+
+
+@pytest.mark.parametrize("size", [-1, 0, "x", True, 1 << 60], ids=["negative", "zero", "a-string", "a-bool", "too-large"])
+def test_a_bad_map_size_is_refused_before_the_folder_is_made(tmp_path, size):
+    with pytest.raises(InvalidInput, match="map_size"):
+        PromptStore(tmp_path / "s", map_size=size)
+    assert not (tmp_path / "s").exists()
+
+
+def test_touch_on_a_closed_store_raises_store_closed(tmp_path):
+    from promptstore import StoreClosed
+
+    st = PromptStore(tmp_path / "s")
+    st.close()
+    with pytest.raises(StoreClosed):
+        st.touch("m@x", list(range(20)))
+
+
+def test_row_nbytes_takes_a_list_of_layers():
+    from promptstore.rows import row_nbytes
+
+    with pytest.raises(InvalidInput, match="list of cache layers"):
+        row_nbytes(None)
+    assert row_nbytes([_kv(20, 20)]) == 2 * 1 * 2 * 20 * 4 * 4
+
+
+def test_serving_cache_refuses_bad_arguments_and_misses_float_tokens(tmp_path):
+    from promptstore import PersistentPromptCache
+
+    toks = list(range(1, 21))
+    with PromptStore(tmp_path / "s") as st:
+        pc = PersistentPromptCache(st)
+        try:
+            pc.insert_cache("m@x", toks, [_kv(20, 20)])
+            pc.flush()
+            assert pc.fetch_nearest_cache("m@x", toks + [5])[0] is not None
+            # Floats were truncated to int64: 1.9 read as token 1, a hit on another prompt.
+            assert pc.fetch_nearest_cache("m@x", [t + 0.9 for t in toks] + [5.0])[0] is None
+            with pytest.raises(InvalidInput, match="list of token ids"):
+                pc.fetch_nearest_cache("m@x", None)
+            with pytest.raises(InvalidInput, match="n_sequences"):
+                pc.trim_to(n_sequences="a")
+            with pytest.raises(InvalidInput, match="n_bytes"):
+                pc.trim_to(n_bytes=1.5)
+        finally:
+            pc.close()

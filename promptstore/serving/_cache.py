@@ -222,7 +222,14 @@ class PersistentPromptCache:
         return self._memory.stats_by_type(CACHE_TYPES)
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
-        """Evict from memory until both limits hold (the store keeps its entries)."""
+        """Evict from memory until both limits hold (the store keeps its entries).
+
+        Raises:
+            InvalidInput: a limit is not None or an integer.
+        """
+        for name, limit in (("n_sequences", n_sequences), ("n_bytes", n_bytes)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+                raise InvalidInput(f"trim_to: {name} must be an integer or None, not {limit!r}")
         self._memory.trim_to(n_sequences, n_bytes)
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
@@ -231,13 +238,23 @@ class PersistentPromptCache:
         Returns:
             ``(cache, rest)``: a cache the caller owns and may extend, covering
             ``len(tokens) - len(rest)`` tokens, or ``(None, tokens)``. ``rest``
-            is never empty for a non-empty query.
+            is never empty for a non-empty query. Tokens that are not
+            integers find nothing.
+
+        Raises:
+            InvalidInput: ``tokens`` is not a sequence.
         """
-        toks = list(tokens)
         try:
-            q = np.asarray(toks[:-1], dtype=np.int64)
+            toks = list(tokens)
+        except TypeError:
+            raise InvalidInput(f"tokens must be a list of token ids, not {type(tokens).__name__}") from None
+        try:
+            q = np.asarray(toks[:-1])
         except (TypeError, ValueError, OverflowError):
             return None, toks
+        if q.size and (q.dtype.kind not in "iu" or (q.dtype.kind == "u" and q.max() > np.iinfo(np.int64).max)):
+            return None, toks  # not token ids: floats would be truncated into another prompt's ids
+        q = q.astype(np.int64, copy=False) if q.size else np.zeros(0, np.int64)
         if q.ndim != 1 or q.size == 0:
             self._count("misses")
             return None, toks

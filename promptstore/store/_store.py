@@ -29,7 +29,7 @@ from promptstore.store import _keys
 from promptstore.store._budget import check_budget
 from promptstore.store._capacity import Capacity
 from promptstore.store._catalog import Catalog
-from promptstore.store._env import DEFAULT_MAP_SIZE, Env
+from promptstore.store._env import DEFAULT_MAP_SIZE, MAX_MAP_SIZE, Env
 from promptstore.store._lmdbfile import live_data_size
 from promptstore.store._fetched import adopt, remote_key
 from promptstore.store._find import Finder
@@ -90,6 +90,8 @@ class PromptStore:
     ):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise InvalidInput(f"block_tokens must be a positive token count, not {block_tokens!r}")
+        if isinstance(map_size, bool) or not isinstance(map_size, int) or not 0 < map_size <= MAX_MAP_SIZE:
+            raise InvalidInput(f"map_size must be a byte count from 1 to {MAX_MAP_SIZE}, not {map_size!r}")
         check_budget(budget)  # before the store's folder is created
         self._remote: Optional[RemoteTier] = None
         tier = open_remote(remote)  # a bad URL fails before anything is opened
@@ -213,13 +215,16 @@ class PromptStore:
             and tokens is replaced.
 
         Raises:
-            CoverageMismatch: a layer covers another number of tokens, or no
-                layer reports coverage and ``coverage`` was not given, or
+            CoverageMismatch: a layer covers another number of tokens (or
+                its arrays hold fewer than its offset says), or no layer
+                reports coverage and ``coverage`` was not given, or
                 ``coverage`` differs from ``len(tokens)``.
             UnknownStorageKind: a layer's class has no codec.
-            InvalidInput: bad model id, tokens, cache (not a list of layers)
-                or meta (see :func:`promptstore.format._entry.check_meta`);
-                nothing was written, a stored entry is untouched.
+            InvalidInput: bad model id, tokens, cache (not a list of layers,
+                or a layer whose arrays disagree with its own state so that
+                it could not be read back) or meta (see
+                :func:`promptstore.format._entry.check_meta`); nothing was
+                written, a stored entry is untouched.
             StoreFull: disk or map full; nothing was written.
         """
         return self._put(model, tokens, cache, meta, coverage, publish=True)
@@ -304,10 +309,20 @@ class PromptStore:
         An entry deleted or replaced by a newer put since the plan was made is
         left alone and reported as vanished, so what is deleted is never more
         than what was planned.
+
+        Raises:
+            InvalidInput: ``plan`` holds something other than EntryInfo objects.
         """
+        try:
+            planned_entries = list(plan)
+        except TypeError:
+            planned_entries = None
+        if isinstance(plan, (str, bytes)) or planned_entries is None or not all(isinstance(e, EntryInfo) for e in planned_entries):
+            raise InvalidInput(f"plan must be EntryInfo objects (from entries() or info()), not {plan!r:.80}")
+
         def write(txn) -> Tuple[List[EntryInfo], List[str], List[bytes]]:
             removed, vanished, keys = [], [], []
-            for planned in plan:
+            for planned in planned_entries:
                 try:
                     ekey = self._catalog.resolve(txn, planned.id)
                     man = self._reader.manifest(txn, ekey)
@@ -346,6 +361,7 @@ class PromptStore:
         """Record a use of the entry of exactly ``tokens`` (if stored) for the
         eviction order, reading nothing: for a caller that served it from its
         own memory (written within ``_usage.FLUSH_EVERY`` seconds)."""
+        self.env  # closed: StoreClosed, as every other call
         toks = _keys.as_tokens(tokens)
         self._usage.touch(_keys.entry_key(_keys.model_id(model), toks))
         self._flush_soon()

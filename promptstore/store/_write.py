@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from promptstore.codecs import Encoded, codec_for_kind, codec_for_layer, storage_kind
+from promptstore.codecs import Encoded, check_encoded, codec_for_kind, codec_for_layer, storage_kind
 from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _fill, _packs, _payload
 from promptstore.format._entry import Manifest
@@ -324,10 +324,14 @@ class EntryWriter:
         manifest (see ``format._blobs``).
 
         Raises:
-            InvalidInput: ``meta`` cannot be serialised (before any write).
+            InvalidInput: ``meta`` cannot be serialised, or a layer would
+                not decode (``codecs.check_encoded``); before any write.
+            CoverageMismatch: a layer would decode covering other than
+                ``len(toks)`` tokens; before any write.
             StoreFull: no room (nothing was written).
         """
         n = len(toks)
+        check_encoded(encoded, n)  # what a get would refuse is never written
         shared_kind = (lambda enc: codec_for_kind(enc.kind).shared_blocks) if self.shared_blocks else None
         records, views, payload = _payload.prepare(encoded, n, shared_kind)
         blob = payload >= _blobs.MIN_PAYLOAD
