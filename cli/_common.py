@@ -103,8 +103,10 @@ class Ctx:
             self._store = None
 
 
-def check_output(path: str, hint: str = "-o") -> None:
-    """Refuse, before any work, an output file whose folder is missing or not writable.
+def check_output(path: str, hint: str = "-o") -> str:
+    """Refuse, before any work, an output file whose folder is missing or not
+    writable; return the path to write, a leading ``~`` expanded (a shell
+    leaves ``--out=~/x`` and a quoted ``'~/x'`` alone), as the check saw it.
 
     Raises:
         InvalidInput: naming the folder, or a name that is not UTF-8 (mlx
@@ -114,11 +116,13 @@ def check_output(path: str, hint: str = "-o") -> None:
         path.encode("utf-8")
     except UnicodeEncodeError as err:
         raise InvalidInput(f"{hint} {path!r}: the name is not UTF-8 (character {err.start}); choose another name") from err
-    folder = user_path(path, hint).resolve().parent
+    target = user_path(path, hint)
+    folder = target.resolve().parent
     if not folder.is_dir():
         raise InvalidInput(f"{folder}: no such folder for {hint} {path}; create it first")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InvalidInput(f"{folder}: not writable by this user, so {hint} {path} cannot be written")
+    return str(target)
 
 
 def format_size(n: int) -> str:

@@ -46,7 +46,7 @@ def bench(quick, out_file, scratch, only, as_json):
     if unknown or cases == []:
         raise click.BadParameter(f"{', '.join(unknown) or 'no case'}: choose among {', '.join(CASES)}", param_hint="--only")
     if out_file:
-        check_output(out_file, "--out")  # before a run of minutes, not after it
+        out_file = check_output(out_file, "--out")  # before a run of minutes, not after it
     results = run(quick=quick, workdir=Path(scratch) if scratch else None, progress=progress, only=cases)
     results["command"] = "promptstore bench" + "".join(
         f" {flag}" for flag, on in (("--quick", quick), ("--json", as_json)) if on

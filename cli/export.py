@@ -32,7 +32,7 @@ def export(obj, key, output, model_dir, as_json):
         check_cache_file_name(output)
     except InvalidInput as err:
         raise click.BadParameter(str(err), param_hint="-o") from err
-    check_output(output)
+    output = check_output(output)
     ids = identities(model_dir)
     store = obj.reader()
     entry = store.info(key)  # EntryNotFound names the key

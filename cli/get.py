@@ -48,7 +48,7 @@ def get(obj, margs, pargs, output, as_json):
             check_cache_file_name(output)
         except InvalidInput as err:
             raise click.BadParameter(str(err), param_hint="-o") from err
-        check_output(output)
+        output = check_output(output)
     loaded = load(margs)
     tokens = prompt_tokens(loaded.tokenizer, pargs)
     if output is not None:

@@ -348,6 +348,23 @@ def test_export_writes_an_mlx_lm_file_that_imports_back(cli, tmp_path):
         assert len(a) == len(b) and all(x.dtype == y.dtype and bits_equal(x, y).item() for x, y in zip(a, b))
 
 
+def test_output_files_named_with_a_tilde_are_written_in_the_home_folder(cli, tmp_path, monkeypatch):
+    # `-o '~/x'` (quoted, or --out=~/x, which the shell leaves alone): the check
+    # before the work expanded it, the write did not, and failed after the work.
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    entry = put(cli, PROMPT, LLAMA)
+    doc = js(cli("export", entry["id"], "-o", "~/e.safetensors", "--model", LLAMA, "--json"))
+    assert doc["output"] == str(home / "e.safetensors") and (home / "e.safetensors").is_file()
+    got = js(cli("get", "--model", LLAMA, "--prompt", PROMPT, "-o", "~/g.safetensors", "--json"))
+    assert got["output"] == str(home / "g.safetensors") and (home / "g.safetensors").is_file()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    cli("bench", "--quick", "--only", "lookup", "--dir", str(scratch), "--out", "~/b.md")
+    assert (home / "b.md").read_text().startswith("# promptstore bench")
+
+
 def test_export_requires_model_and_checks_it(cli, tmp_path):
     # Deliberately changed (issue 22): without --model the file named a model that
     # mlx_lm.generate then refused; now --model is required.
