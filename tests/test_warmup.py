@@ -306,6 +306,23 @@ def test_a_budget_stops_the_job_before_it_evicts_what_it_warmed(tmp_path, batch_
         assert again.skipped == summary.stored  # what it stored is still there for a resumed job
 
 
+def test_a_budget_counts_what_the_store_took_so_shared_prefixes_count_once(tmp_path):
+    """Four prompts sharing their first 1,536 tokens (three shared blocks):
+    the job counted each entry's whole bytes, so it stopped after two under a
+    4 MB budget ("the job wrote 3.5 MB"), where the store held 1.8 MB and all
+    four fit. It counts what each put added now (``EntryInfo.added``)."""
+    model, tok, _, mdir = load_fixture("llama")
+    base = " ".join(f"rule {i}: keep caches warm." for i in range(120))
+    lines = [{"id": f"p{i}", "prompt": base + f" Now answer question number {i} briefly."} for i in range(4)]
+    with PromptStore(tmp_path / "s") as st:
+        st.set_budget(4_000_000)
+        summary = warmup(st, mdir, lines, batch_size=1, checkpoint_every=0, loaded=(model, tok))
+        entries = list(st.entries())
+        assert summary.stopped is None and summary.stored == 4 and len(entries) == 4
+        assert summary.bytes <= st.usage() <= 4_000_000
+        assert summary.bytes < sum(e.nbytes for e in entries) / 2  # the shared blocks once
+
+
 def test_one_bad_row_fails_only_its_own_line_in_a_batch(tmp_path):
     """An id over the meta limit (stored as meta["warmup"]) failed the whole
     batch it was prefilled in: "stored 4, failed 5", every line with its

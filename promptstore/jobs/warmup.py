@@ -187,7 +187,8 @@ class _Job:
             if self.bytes + need > budget:
                 raise _BudgetReached(self.bytes, need, budget)
         info = self.store.put(self.model_id, tokens, cache, meta=meta)
-        self.bytes += info.nbytes
+        # What the store took: blocks it already held (a shared prefix) count once.
+        self.bytes += info.added if info.added is not None else info.nbytes
         if final:
             self.stored += 1
         else:

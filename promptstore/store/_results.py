@@ -26,6 +26,9 @@ class EntryInfo:
     trimmable: bool
     meta: Dict[str, Any] = field(default_factory=dict)
     shared: int = 0  # of nbytes, the bytes in blocks stored once for every entry that has them
+    # put's return only: the array bytes that put added to the store (the
+    # entry's own, and the blocks the store did not hold yet); None elsewhere.
+    added: Optional[int] = field(default=None, compare=False)
 
     @property
     def own(self) -> int:
