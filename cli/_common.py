@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -267,6 +268,13 @@ def guarded(fn: Callable) -> Callable:
             raise
         except PromptStoreError as err:
             fail(type(err).__name__, str(err), as_json)
+        except BrokenPipeError as err:
+            if not _stdout_gone():  # another pipe (a subprocess's, a socket's): an error like any other
+                fail(type(err).__name__, str(err), as_json)
+            # The reader of our output left (`promptstore ls | head`): nothing
+            # to tell it, and Python's flush of stdout at exit would fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except (OSError, ValueError) as err:
             fail(type(err).__name__, str(err), as_json)
         except KeyboardInterrupt:
@@ -281,6 +289,16 @@ def guarded(fn: Callable) -> Callable:
             )
 
     return wrapper
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no such descriptor, or no poll here
+        return False
 
 
 def fail(kind: str, message: str, as_json: bool, code: int = 1) -> None:

@@ -289,3 +289,16 @@ def test_library_default_path_is_unchanged_by_the_cli(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     with PromptStore() as s:
         assert s.path == tmp_path / "x" / "promptstore"
+
+
+def test_a_reader_that_leaves_early_gets_no_error_line(tmp_path):
+    # `promptstore stats | head -3`: the write into the closed pipe printed
+    # "error: [Errno 32] Broken pipe". The reader left; there is nothing to say.
+    store = tmp_path / "s"
+    PromptStore(store).close()
+    proc = subprocess.Popen([sys.executable, "-m", "promptstore", "--store", str(store), "stats"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()  # gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == ""
