@@ -51,6 +51,8 @@ def model_filter(model: Optional[str]) -> Callable:
     if model is None:
         return lambda info: True
     path = user_path(model, "--model")
+    if model.startswith(("/", "./", "../", "~")) and not path.exists():  # a path, mistyped: it would match nothing
+        raise InvalidInput(f"--model {model}: no such folder; give a model directory, or the name `ls` shows")
     if (path / "config.json").is_file() or (not path.exists() and model.count("/") == 1 and "@" not in model):
         try:
             ids = set(identities(model))

@@ -109,6 +109,10 @@ def test_ls_keys_sort_limit_and_model_filter(cli):
     assert len(js(cli("ls", "--json", "--limit", "1"))) == 1
     assert {r["id"] for r in js(cli("ls", "--json", "--model", QNEXT))} == {other["id"]}
     assert {r["id"] for r in js(cli("ls", "--json", "--model", "llama"))} == {short["id"], long_["id"]}
+    # A mistyped model folder matched nothing and said "0 entries" (rm: "nothing to remove").
+    for cmd in (("ls",), ("rm", "--dry-run")):
+        err = js(cli(*cmd, "--json", "--model", "./no-such-dir/llama", code=1))
+        assert err["error"] == "InvalidInput" and "no such folder" in err["message"]
     table = cli("ls", "--limit", "2").stdout.splitlines()
     assert table[0].split() == ["KEY", "MODEL", "KINDS", "TOKENS", "SIZE", "OWN", "SHARED", "LAST", "USED"]
     for r in rows:
