@@ -230,6 +230,18 @@ def test_a_remote_that_is_not_a_url_and_a_salvage_into_a_file_are_invalid_input(
     assert (tmp_path / "file").read_text() == "x"
 
 
+def test_a_salvage_into_a_folder_inside_the_source_is_invalid_input(tmp_path):
+    # The source is only read: salvage wrote a new store inside it.
+    from promptstore.store._salvage import salvage
+
+    with PromptStore(tmp_path / "s") as st:
+        st.put("m@x", list(range(20)), [_kv(20, 20)])
+    before = sorted(p.name for p in (tmp_path / "s").iterdir())
+    with pytest.raises(InvalidInput, match="inside the store"):
+        salvage(tmp_path / "s", tmp_path / "s" / "inner")
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == before
+
+
 @pytest.mark.parametrize("keys", [None, 5, "abc", [1, 2]])
 def test_own_bytes_of_something_that_is_not_a_list_of_ids_is_invalid_input(tmp_path, keys):
     with PromptStore(tmp_path / "s") as st:

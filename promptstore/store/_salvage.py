@@ -145,7 +145,7 @@ def salvage(src, dst) -> SalvageReport:
     times and pins.
 
     Raises:
-        InvalidInput: ``dst`` exists and is not empty.
+        InvalidInput: ``dst`` exists and is not empty, or is inside ``src``.
         StoreUnavailable: the source cannot be opened at all (the message says why).
     """
     src, dst = user_path(src, "the store to salvage"), user_path(dst, "the salvage destination")
@@ -153,6 +153,8 @@ def salvage(src, dst) -> SalvageReport:
         raise InvalidInput(f"{dst} is a file; salvage writes into a fresh directory")
     if dst.exists() and any(dst.iterdir()):
         raise InvalidInput(f"{dst} exists and is not empty; salvage writes into a fresh directory")
+    if dst.absolute().resolve().is_relative_to(src.absolute().resolve()):  # the source is only read: nothing is added to it
+        raise InvalidInput(f"{dst} is inside the store {src}; salvage into a folder outside it")
     scratch = dst.parent / f".{dst.name}.salvage-src"
     shutil.rmtree(scratch, ignore_errors=True)
     unopened: Optional[StoreUnavailable] = None
