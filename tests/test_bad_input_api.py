@@ -116,6 +116,15 @@ def test_warmup_line_with_nan_or_bad_meta_is_a_line_error(tmp_path):
     assert "out of range" in errors[2].reason and "nested" in errors[3].reason
 
 
+def test_a_warmup_prompt_of_white_space_is_a_line_error_as_put_refuses_it(tmp_path):
+    # Stored as the chat template's tokens alone, where `put --prompt "   "` says "empty".
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 1, "prompt": "fine"}\n{"id": 2, "prompt": "   "}\n{"id": 3, "prompt": "\\n\\t"}\n')
+    records, errors = read_prompts(f)
+    assert [r.id for r in records] == [1]
+    assert [(e.line, e.id) for e in errors] == [(2, 2), (3, 3)] and "white space" in errors[0].reason
+
+
 def test_warmup_line_nested_too_deeply_is_a_line_error(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"id": 1, "prompt": "fine"}\n' + '{"id": 2, "prompt": "x", "meta": ' + "[" * 100_000 + "\n")

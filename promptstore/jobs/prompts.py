@@ -54,8 +54,8 @@ def _check_record(obj: Any) -> Tuple[Any, Optional[str]]:
         str(rid).encode("utf-8")
     except UnicodeEncodeError as err:
         return None, f'"id" is not valid UTF-8 ({err.reason} at {err.start})'
-    if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
-        return rid, '"prompt" must be a non-empty string'
+    if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"].strip()):
+        return rid, '"prompt" must be a non-empty string (not only white space, which `promptstore put` refuses too)'
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
