@@ -496,3 +496,11 @@ def test_a_get_whose_last_use_cannot_be_recorded_still_exits_0_and_export_says_w
     assert str(target) in doc["message"] and "writing the file failed" in doc["message"]
     assert not target.exists() and not list(tmp_path.glob(".x.tmp*"))
     assert subprocess.run(cmd + ["get", *prompt], capture_output=True, text=True).stdout.startswith("hit ")
+
+
+def test_a_kv_group_size_that_does_not_divide_the_head_dimension_names_the_fix(cli):
+    # The llama fixture's heads have 64 dimensions: mlx's quantize raised a bare ValueError.
+    err = js(cli("put", "--model", LLAMA, "--prompt", PROMPT, "--kv-bits", "4", "--kv-group-size", "128",
+                 "--quantized-kv-start", "0", "--json", code=1))
+    assert err["error"] == "InvalidInput" and "--kv-group-size that divides" in err["message"]
+    assert js(cli("ls", "--json")) == []

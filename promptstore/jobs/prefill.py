@@ -207,6 +207,11 @@ def quantizer(options: Optional[CacheOptions]) -> Optional[Callable[[List[Any]],
                 f"kv_bits: mlx-lm cannot quantize this model's cache ({err}: a sliding-window layer); "
                 "leave --kv-bits out for this model"
             ) from err
+        except ValueError as err:  # mlx's quantize: "... divisible by the quantization group size 128 ..."
+            raise InvalidInput(
+                f"kv_group_size {group} with kv_bits {bits}: mlx cannot quantize this model's cache ({err}); "
+                "choose a --kv-group-size that divides the model's head dimension (32 or 64 do for most)"
+            ) from err
 
     return quantize
 
