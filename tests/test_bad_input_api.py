@@ -469,3 +469,11 @@ def test_serving_cache_refuses_bad_arguments_and_misses_float_tokens(tmp_path):
                 pc.trim_to(n_bytes=1.5)
         finally:
             pc.close()
+
+
+def test_a_store_path_that_is_a_dangling_link_says_so(tmp_path):
+    from promptstore import StoreUnavailable
+
+    (tmp_path / "s").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(StoreUnavailable, match="a symbolic link to .*nowhere, which does not exist"):
+        PromptStore(tmp_path / "s")

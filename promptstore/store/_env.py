@@ -116,6 +116,11 @@ class Env:
             try:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as err:
+                if path.is_symlink() and not path.exists():
+                    raise StoreUnavailable(
+                        f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; create that folder "
+                        "or remove the link"
+                    ) from err
                 raise StoreUnavailable(f"{path}: cannot create the store directory ({err}); check the path and permissions") from err
         self._gen = self._open_live()
         self.env = self._gen.env
