@@ -12,14 +12,14 @@ the planned entries that are still there, and no others.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Set, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 from promptstore.errors import EntryNotFound, InvalidInput, PromptStoreError, StoreFull
 from promptstore.format import _entry
 from promptstore.store import _budget, _keys
 from promptstore.store._catalog import Catalog
 from promptstore.store._env import Env
-from promptstore.store._results import GcReport
+from promptstore.store._results import EntryInfo, GcReport, utc
 from promptstore.store._schema import ENTRY_ID, Tables
 from promptstore.store._usage import Usage
 from promptstore.store._verify import Maintenance
@@ -142,6 +142,35 @@ class Capacity:
             seen.add(ekey)
             victims.append((ekey, freed(ekey)))
         return victims
+
+    def remove_planned(self, plan: Sequence[EntryInfo]) -> Tuple[List[EntryInfo], List[str]]:
+        """See :meth:`PromptStore.remove_planned`."""
+        try:
+            planned_entries = list(plan)
+        except TypeError:
+            planned_entries = None
+        if isinstance(plan, (str, bytes)) or planned_entries is None or not all(isinstance(e, EntryInfo) for e in planned_entries):
+            raise InvalidInput(f"plan must be EntryInfo objects (from entries() or info()), not {plan!r:.80}")
+
+        def write(txn) -> Tuple[List[EntryInfo], List[str], List[bytes]]:
+            removed, vanished, keys = [], [], []
+            for planned in planned_entries:
+                try:
+                    ekey = self._catalog.resolve(txn, planned.id)
+                except EntryNotFound:
+                    ekey = None
+                man = self._writer.readable(txn, ekey) if ekey is not None else None  # None: gone, or unreadable since the plan
+                if man is None or utc(man.created) != planned.created:
+                    vanished.append(planned.id)
+                    continue
+                removed.append(self._catalog.info(txn, ekey, man))
+                self._writer.drop(txn, ekey)
+                keys.append(ekey)
+            return removed, vanished, keys
+
+        removed, vanished, keys = self._env.write(write)
+        self._usage.forget(keys)
+        return removed, vanished
 
     # -- pins -------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ import lmdb
 from promptstore.format import _pages
 from promptstore.store._faults import open_tables, translate
 from promptstore.store._gate import CLOSE_TIMEOUT, Gate
-from promptstore.store._lmdbfile import CURRENT, copy_generation, live_dir, remove_generations, switch_current
+from promptstore.store._lmdbfile import CURRENT, copy_generation, live_dir, make_store_dir, remove_generations, switch_current
 from promptstore.store._schema import (
     FORMAT_KEY, STORE_FORMAT, STORE_ID_FILE, STORE_ID_KEY, TABLES, U64, Tables, u64_or,
 )
@@ -113,15 +113,7 @@ class Env:
         self._stuck: Optional[Path] = None  # a read gave up waiting to switch there: reads no longer wait
         self._gate = Gate(path, self._lock, self._close_files)  # operations in flight; close()
         if not readonly:
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                if path.is_symlink() and not path.exists():
-                    raise StoreUnavailable(
-                        f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; create that folder "
-                        "or remove the link"
-                    ) from err
-                raise StoreUnavailable(f"{path}: cannot create the store directory ({err}); check the path and permissions") from err
+            make_store_dir(path)
         self._gen = self._open_live()
         self.env = self._gen.env
         self.db.replace(self._gen.db)

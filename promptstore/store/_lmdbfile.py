@@ -141,6 +141,22 @@ CURRENT = "CURRENT"  # names the live generation's directory (``Env``, compactio
 # is the store folder's own two files), and ``CURRENT`` names the live one.
 
 
+def make_store_dir(store: Path) -> None:
+    """Create the store folder ``store`` (and its parents) if it is not there.
+
+    Raises:
+        StoreUnavailable: it cannot be made; a dangling symbolic link is named as one.
+    """
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if store.is_symlink() and not store.exists():
+            raise StoreUnavailable(
+                f"{store}: a symbolic link to {os.readlink(store)}, which does not exist; create that folder or remove the link"
+            ) from err
+        raise StoreUnavailable(f"{store}: cannot create the store directory ({err}); check the path and permissions") from err
+
+
 def copy_generation(env: Any, txn: Any, store: Path, n: int) -> Tuple[str, int]:
     """Copy the snapshot ``txn`` of the LMDB environment ``env`` compactly
     into generation ``n`` of the store folder ``store`` (a directory left

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 from promptstore import rows
 from promptstore._paths import default_path, store_path
 from promptstore.codecs import detached, encode_layer, is_trimmable
-from promptstore.errors import InvalidInput, PromptStoreError
+from promptstore.errors import InvalidInput
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
@@ -314,32 +314,7 @@ class PromptStore:
         Raises:
             InvalidInput: ``plan`` holds something other than EntryInfo objects.
         """
-        try:
-            planned_entries = list(plan)
-        except TypeError:
-            planned_entries = None
-        if isinstance(plan, (str, bytes)) or planned_entries is None or not all(isinstance(e, EntryInfo) for e in planned_entries):
-            raise InvalidInput(f"plan must be EntryInfo objects (from entries() or info()), not {plan!r:.80}")
-
-        def write(txn) -> Tuple[List[EntryInfo], List[str], List[bytes]]:
-            removed, vanished, keys = [], [], []
-            for planned in planned_entries:
-                try:
-                    ekey = self._catalog.resolve(txn, planned.id)
-                    man = self._reader.manifest(txn, ekey)
-                except PromptStoreError:  # gone, or unreadable since the plan
-                    man = None
-                if man is None or utc(man.created) != planned.created:
-                    vanished.append(planned.id)
-                    continue
-                removed.append(self._catalog.info(txn, ekey, man))
-                self._writer.drop(txn, ekey)
-                keys.append(ekey)
-            return removed, vanished, keys
-
-        removed, vanished, keys = self.env.write(write)
-        self._usage.forget(keys)
-        return removed, vanished
+        return self._capacity.remove_planned(plan)
 
     # -- reading ---------------------------------------------------------------
 

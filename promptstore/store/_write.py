@@ -240,7 +240,7 @@ class EntryWriter:
 
         def freed(ekey: bytes) -> int:
             total = _budget.size_of(txn, self._db, ekey)
-            man = self._readable(txn, ekey)
+            man = self.readable(txn, ekey)
             for key, _ in man.blocks() if man is not None else ():
                 dropped[key] = dropped.get(key, 0) + 1
                 ref = txn.get(key, db=self._db.refs)
@@ -250,7 +250,7 @@ class EntryWriter:
 
         return freed
 
-    def _readable(self, txn, ekey: bytes) -> Optional[Manifest]:
+    def readable(self, txn, ekey: bytes) -> Optional[Manifest]:
         """The manifest at ``ekey``, or None when there is none or it cannot be read."""
         raw = txn.get(ekey, db=self._db.entries)
         try:
@@ -406,7 +406,7 @@ class EntryWriter:
         Raises:
             InvalidInput: the put would downgrade the stored representation.
         """
-        old = self._readable(txn, ekey)
+        old = self.readable(txn, ekey)
         if old is None or len(old.kinds) != len(kinds):
             return
         for i, (was, now) in enumerate(zip(old.kinds, kinds)):
@@ -432,7 +432,7 @@ class EntryWriter:
         blocks that are not shared."""
         hashes = _keys.prefix_hashes(toks)
         with self._env.read() as txn:
-            for _key, matched, man in _index.candidates(txn, self._db, mid, toks, lambda key: self._readable(txn, key), hashes):
+            for _key, matched, man in _index.candidates(txn, self._db, mid, toks, lambda key: self.readable(txn, key), hashes):
                 if man.model == model and man.bounds:
                     return man.bounds, matched
             return (), _index.indexed_prefix(txn, self._db, mid, toks, hashes)
