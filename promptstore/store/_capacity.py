@@ -158,8 +158,9 @@ class Capacity:
                 try:
                     ekey = self._catalog.resolve(txn, planned.id)
                 except EntryNotFound:
-                    ekey = None
-                man = self._writer.readable(txn, ekey) if ekey is not None else None  # None: gone, or unreadable since the plan
+                    vanished.append(planned.id)
+                    continue
+                man = self._writer.readable(txn, ekey)  # None: unreadable since the plan
                 if man is None or utc(man.created) != planned.created:
                     vanished.append(planned.id)
                     continue
