@@ -113,6 +113,27 @@ def test_draft_server_refuses_what_it_cannot_run_and_keeps_serving(tmp_path):
     assert counters["speculative_requests"] == 1 and counters["draft_tokens"] > 0
 
 
+def test_a_draft_round_longer_than_a_sliding_window_is_refused_before_the_answer(tmp_path):
+    """gemma3_text's window holds 16 rotating positions: 20 draft tokens a
+    round cannot run on its draft. The refusal was raised inside the
+    generator, after the 200: the client got an empty reply (a stream ended
+    with no event), the reason only in the server's log."""
+    model = "gemma3_text"
+    with Server(tmp_path / "store", model, tmp_path / "server.log",
+                "--draft-model", str(MODELS / model), "--num-draft-tokens", "2") as srv:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            srv.chat(_chat(PROMPTS[0]), max_tokens=8, num_draft_tokens=20)
+        assert 400 <= err.value.code < 500 and "sliding window of 16 rotating positions" in err.value.read().decode()
+        body = json.dumps({"messages": _chat(PROMPTS[0]), "max_tokens": 8, "stream": True, "num_draft_tokens": 20}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=60)
+        assert 400 <= err.value.code < 500 and "use at most 17 draft tokens" in err.value.read().decode()
+        ok = srv.chat(_chat(PROMPTS[0]), max_tokens=8)  # the server's own 2 a round still run
+        assert ok["usage"]["completion_tokens"] > 0
+
+
 @pytest.mark.shape_dependent  # stored caches are compared with greedy decoding's
 def test_sliding_window_draft_server_is_greedy_identical_and_continues_from_the_store(tmp_path):
     """gemma3_text (window 16) with its first two layers as the draft (one

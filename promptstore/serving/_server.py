@@ -30,7 +30,7 @@ from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.jobs.prefill import encode_prompt
 from promptstore.serving._cache import PersistentPromptCache, gated_by_config
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, checkpoint_limit
-from promptstore.serving._speculative import DraftCounters, make_stream_generate, refusal
+from promptstore.serving._speculative import DraftCounters, make_stream_generate, refusal, window_refusal
 from promptstore.ssm import gated_delta_layers
 from promptstore.store import PromptStore
 
@@ -254,7 +254,7 @@ def _generator_class(mlx_server):
             rqueue, _, args = request
             if self.model_provider.draft_model is not None:
                 why = refusal(args.max_tokens, mlx_server._make_logits_processors(args), self.cli_args.kv_bits,
-                              args.num_draft_tokens)
+                              args.num_draft_tokens) or window_refusal(self.model_provider.draft_model, args.num_draft_tokens)
                 if why is not None:  # answered before the request's 200, as mlx-lm's own errors are
                     rqueue.put(ValueError(why))
                     return

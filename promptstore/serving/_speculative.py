@@ -57,8 +57,8 @@ from typing import Any, Callable, Dict, Generator, List, Optional
 import mlx.core as mx
 
 from promptstore.codecs import layer_coverage
-from promptstore.ssm import gated_delta_layers, to_ssm
-from promptstore.errors import UnknownStorageKind
+from promptstore.ssm import gated_delta_layers, make_prompt_cache, to_ssm
+from promptstore.errors import PromptStoreError, UnknownStorageKind
 from promptstore.ssm.speculative import SpeculativeStats, check_caches, speculative_generate_step
 
 __all__ = ["DraftCounters", "make_stream_generate"]
@@ -156,6 +156,17 @@ def refusal(max_tokens: int, logits_processors: Any, kv_bits: Any, num_draft_tok
         return "Speculative decoding does not support input embeddings."
     if num_draft_tokens < 1:
         return f"num_draft_tokens must be >= 1 with a draft model, got {num_draft_tokens}"
+    return None
+
+
+def window_refusal(draft_model: Any, num_draft_tokens: int) -> Optional[str]:
+    """Why ``draft_model``'s sliding windows cannot run rounds of
+    ``num_draft_tokens``, or None (:func:`check_caches` on a new cache of
+    it). Asked with :func:`refusal`, before the request's 200."""
+    try:
+        check_caches([], make_prompt_cache(draft_model), num_draft_tokens)
+    except PromptStoreError as err:  # a window too short, or a layer no round can run on
+        return str(err)
     return None
 
 
