@@ -16,7 +16,10 @@ from promptstore.serving._server import check_server_args
                                         (["--port", "notaport"], "invalid int value: 'notaport'"),
                                         (["--port", "99999"], "--port 99999 is not a TCP port"),
                                         (["--port", "-1"], "--port -1 is not a TCP port"),
-                                        (["--prefill-step-size", "0"], "--prefill-step-size 0 must be at least 1")])
+                                        (["--prefill-step-size", "0"], "--prefill-step-size 0 must be at least 1"),
+                                        # The server started, then refused every request with this reason.
+                                        (["--draft-model", str(MODELS / "llama"), "--kv-bits", "8"],
+                                         "speculative decoding does not quantize the KV cache")])
 def test_serve_refuses_bad_server_options_before_opening_the_store(tmp_path, args, says):
     doc = error(tmp_path / "store", "serve", "--model", str(MODELS / "llama"), *args, code=2)
     assert doc["error"] == "UsageError" and says in doc["message"]

@@ -146,6 +146,8 @@ def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
         step = getattr(args, "prefill_step_size", None)
         if isinstance(step, int) and step < 1:  # argparse takes any int; every request would then loop or fail
             raise InvalidInput(f"mlx_lm.server refuses its options: --prefill-step-size {step} must be at least 1") from None
+        if getattr(args, "draft_model", None) and getattr(args, "kv_bits", None) is not None:  # every request would be refused
+            raise InvalidInput("--draft-model and --kv-bits: speculative decoding does not quantize the KV cache; serve without --kv-bits") from None
         return
     except _Refused as err:
         raise InvalidInput(f"mlx_lm.server refuses its options: {err}") from None
