@@ -74,6 +74,11 @@ def test_urls():
             parse_url(bad)
     with pytest.raises(RemoteURLError):  # refused before any store is opened
         PromptStore("/nonexistent/never-created", remote="memcached://h:1")
+    # An IPv6 host printed without its brackets, a URL parse_url then refused.
+    v6 = parse_url("redis://[::1]:7000?ns=v6")
+    assert str(v6) == "redis://[::1]:7000/0?ns=v6" and parse_url(str(v6)) == v6
+    with pytest.raises(RemoteURLError, match="names no URL"):  # it read as "no remote", silently
+        PromptStore("/nonexistent/never-created", remote=True)
 
 
 def test_a_database_on_a_cluster_is_a_url_error(tmp_path, redis_cluster, redis_single, caplog):

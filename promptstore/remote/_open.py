@@ -59,8 +59,10 @@ def open_remote(remote: Union[str, bool, RemoteURL, None]) -> Optional[RemoteTie
     """
     if remote is None:
         remote = os.environ.get(ENV, "")
-    if remote is False or remote == "" or remote is True:
+    if remote is False or remote == "":
         return None
+    if remote is True:  # it read as "no remote", whatever $PROMPTSTORE_REMOTE said
+        raise RemoteURLError("remote=True names no URL: pass the URL, or None to use $PROMPTSTORE_REMOTE")
     if not isinstance(remote, (str, RemoteURL)):
         raise RemoteURLError(f"remote must be a URL (str), False or None, not {type(remote).__name__}")
     return RemoteTier(remote)

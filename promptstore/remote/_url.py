@@ -38,7 +38,8 @@ class RemoteURL:
         if self.username or self.password:
             auth = f"{self.username or ''}{':***' if self.password else ''}@"
         scheme = "rediss" if self.tls else "redis"
-        return f"{scheme}://{auth}{self.host}:{self.port}/{self.db}?ns={self.namespace}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6, as a URL writes it (and parse_url reads it)
+        return f"{scheme}://{auth}{host}:{self.port}/{self.db}?ns={self.namespace}"
 
 
 def parse_url(url: str) -> RemoteURL:
