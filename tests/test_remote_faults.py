@@ -89,6 +89,24 @@ def test_remote_slow_is_bounded(tmp_path, fresh_single):
         same(hit.cache, cache)
 
 
+def test_pending_counts_entries_not_the_stop_marker(tmp_path, fresh_single):
+    # After close() with the publisher busy, stats() said pending 1 with nothing left
+    # to publish: the queue's size counted the marker close() puts in to stop the thread.
+    ns = f"f{next(_ns)}"
+    url = url_of(fresh_single, ns, timeout=2)
+    with PromptStore(tmp_path / "a", remote=url) as a:
+        fresh_single.pause()  # the next publish waits on the network: the thread is busy
+        try:
+            a.put(MODEL, toks(100, seed=1), kv_cache(100, seed=1))
+            deadline = time.monotonic() + 5
+            while a.remote.stats()["pending"] and time.monotonic() < deadline:  # taken up by the thread
+                time.sleep(0.01)
+            a.remote.publisher.close(0)  # no wait: the stop marker is queued behind the busy job
+            assert a.remote.stats()["pending"] == 0
+        finally:
+            fresh_single.resume()
+
+
 def test_master_killed_mid_fetch(tmp_path, fresh_cluster):
     ns = f"f{next(_ns)}"
     url = url_of(fresh_cluster, ns, timeout=0.5)

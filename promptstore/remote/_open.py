@@ -42,7 +42,7 @@ class RemoteTier:
 
     def stats(self) -> Dict[str, int]:
         s = self.remote.stats()
-        s["pending"] = self.publisher._q.qsize()
+        s["pending"] = self.publisher.pending()
         return s
 
     def close(self, timeout: float = CLOSE_FLUSH) -> None:

@@ -62,6 +62,12 @@ class Publisher:
             finally:
                 self._q.task_done()
 
+    def pending(self) -> int:
+        """Entries queued and not yet taken up (the stop marker :meth:`close`
+        queues is not one)."""
+        with self._q.mutex:
+            return sum(1 for job in self._q.queue if job is not None)
+
     def flush(self, timeout: float) -> bool:
         """Wait until every submitted entry is published (or failed); False on timeout."""
         deadline = time.monotonic() + timeout
