@@ -296,7 +296,7 @@ def _stdout_gone() -> bool:
     try:
         poll = select.poll()
         poll.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
     except (OSError, ValueError, AttributeError):  # no such descriptor, or no poll here
         return False
 
