@@ -20,6 +20,7 @@ from promptstore.codecs._registry import (
     encode_layer,
     is_trimmable,
     layer_coverage,
+    layers_of,
     register,
     register_rows,
     rows_for_layer,

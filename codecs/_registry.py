@@ -293,6 +293,21 @@ def storage_kind(layer: Any) -> str:
     return codec_for_layer(layer).kind_of(layer)
 
 
+def layers_of(cache: Any, what: str = "cache") -> List[Any]:
+    """``cache`` as a list of layers (what ``make_prompt_cache(model)`` returns).
+
+    Raises:
+        InvalidInput: it is not a list of layers (a string, a dict, None...).
+    """
+    try:
+        layers = None if isinstance(cache, (str, bytes, dict)) else list(cache)
+    except TypeError:  # not iterable
+        layers = None
+    if layers is None:
+        raise InvalidInput(f"{what} must be a list of cache layers (make_prompt_cache(model)), not {type(cache).__name__}")
+    return layers
+
+
 # What a codec raises on a layer whose state is not what mlx-lm leaves
 # (an array of too few dimensions, a numpy array, None where an array goes).
 _BAD_STATE = (TypeError, ValueError, IndexError, AttributeError, KeyError)

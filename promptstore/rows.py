@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from promptstore.codecs import codec_for_layer, encode_layer, rows_for_layer
+from promptstore.codecs import codec_for_layer, encode_layer, layers_of, rows_for_layer
 from promptstore.codecs._rows import check_joinable
 from promptstore.errors import CoverageMismatch, InvalidInput, RoundError
 from promptstore.ssm import SSMCache
@@ -253,9 +253,7 @@ def row_nbytes(serial_cache: Sequence[Any]) -> int:
         InvalidInput: ``serial_cache`` is not a list of cache layers.
         UnknownStorageKind: a layer's class has no codec.
     """
-    if serial_cache is None or isinstance(serial_cache, (str, bytes, dict)) or not hasattr(serial_cache, "__iter__"):
-        raise InvalidInput(f"serial_cache must be a list of cache layers, not {type(serial_cache).__name__}")
-    return sum(int(a.nbytes) for layer in serial_cache for a in encode_layer(layer).arrays.values())
+    return sum(int(a.nbytes) for layer in layers_of(serial_cache, "serial_cache") for a in encode_layer(layer).arrays.values())
 
 
 # -- merging rows into a batch -----------------------------------------------------

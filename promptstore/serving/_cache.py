@@ -254,7 +254,7 @@ class PersistentPromptCache:
             return None, toks
         if q.size and (q.dtype.kind not in "iu" or (q.dtype.kind == "u" and q.max() > np.iinfo(np.int64).max)):
             return None, toks  # not token ids: floats would be truncated into another prompt's ids
-        q = q.astype(np.int64, copy=False) if q.size else np.zeros(0, np.int64)
+        q = q.astype(np.int64, copy=False)
         if q.ndim != 1 or q.size == 0:
             self._count("misses")
             return None, toks

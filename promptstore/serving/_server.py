@@ -30,7 +30,7 @@ from promptstore.errors import InvalidInput, PromptStoreError
 from promptstore.jobs.prefill import encode_prompt
 from promptstore.serving._cache import PersistentPromptCache, gated_by_config
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, checkpoint_limit
-from promptstore.serving._speculative import DraftCounters, make_stream_generate, refusal, window_refusal
+from promptstore.serving._speculative import NO_QUANTIZED_KV, DraftCounters, make_stream_generate, refusal, window_refusal
 from promptstore.ssm import gated_delta_layers
 from promptstore.store import PromptStore
 
@@ -147,7 +147,7 @@ def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
         if isinstance(step, int) and step < 1:  # argparse takes any int; every request would then loop or fail
             raise InvalidInput(f"mlx_lm.server refuses its options: --prefill-step-size {step} must be at least 1") from None
         if getattr(args, "draft_model", None) and getattr(args, "kv_bits", None) is not None:  # every request would be refused
-            raise InvalidInput("--draft-model and --kv-bits: speculative decoding does not quantize the KV cache; serve without --kv-bits") from None
+            raise InvalidInput(f"--draft-model and --kv-bits: {NO_QUANTIZED_KV}") from None
         return
     except _Refused as err:
         raise InvalidInput(f"mlx_lm.server refuses its options: {err}") from None

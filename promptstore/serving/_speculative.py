@@ -139,6 +139,10 @@ def _checkpointing(progress: Optional[Callable[[int, int], None]], cache: List[A
     return report
 
 
+#: Why a draft model and --kv-bits do not go together (per request, and at the server's start).
+NO_QUANTIZED_KV = "speculative decoding does not quantize the KV cache: serve without --kv-bits"
+
+
 def refusal(max_tokens: int, logits_processors: Any, kv_bits: Any, num_draft_tokens: int,
             input_embeddings: Any = None) -> Optional[str]:
     """Why a request cannot be served with a draft model, or None. The
@@ -151,7 +155,7 @@ def refusal(max_tokens: int, logits_processors: Any, kv_bits: Any, num_draft_tok
         return ("speculative decoding (promptstore serve --draft-model) takes no logits "
                 "processors: drop repetition/presence penalties and logit bias from the request")
     if kv_bits is not None:
-        return "speculative decoding (promptstore serve --draft-model) does not quantize the KV cache: serve without --kv-bits"
+        return NO_QUANTIZED_KV
     if input_embeddings is not None:
         return "Speculative decoding does not support input embeddings."
     if num_draft_tokens < 1:

@@ -17,10 +17,10 @@ from typing import List, Optional, Sequence, Set, Tuple
 from promptstore.errors import EntryNotFound, InvalidInput, PromptStoreError, StoreFull
 from promptstore.format import _entry
 from promptstore.store import _budget, _keys
-from promptstore.store._catalog import Catalog
+from promptstore.store._catalog import Catalog, is_entry_id
 from promptstore.store._env import Env
 from promptstore.store._results import EntryInfo, GcReport, utc
-from promptstore.store._schema import ENTRY_ID, Tables
+from promptstore.store._schema import Tables
 from promptstore.store._usage import Usage
 from promptstore.store._verify import Maintenance
 from promptstore.store._write import EntryWriter
@@ -218,9 +218,7 @@ def _check_plan(plan: Optional[GcReport]) -> None:
         raise InvalidInput(f"plan must be the GcReport of gc(dry_run=True), not {type(plan).__name__}")
     ids, created = plan.evicted, plan.created
     # Whole ids only: a prefix could name an entry put after the plan was made.
-    if not isinstance(ids, (tuple, list)) or not all(
-        isinstance(e, str) and len(e) == ENTRY_ID and all(c in "0123456789abcdef" for c in e.lower()) for e in ids
-    ):
+    if not isinstance(ids, (tuple, list)) or not all(is_entry_id(e, whole=True) for e in ids):
         raise InvalidInput(f"plan.evicted must be a dry run's entry ids (16 hex digits each), not {ids!r:.80}")
     if not isinstance(created, (tuple, list)) or not all(
         isinstance(c, (int, float)) and not isinstance(c, bool) for c in created

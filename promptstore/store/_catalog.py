@@ -18,6 +18,14 @@ log = logging.getLogger("promptstore")
 _HEX = frozenset("0123456789abcdef")
 
 
+def is_entry_id(key: Any, whole: bool = False) -> bool:
+    """Whether ``key`` is an entry id (16 hex digits, any case), or with
+    ``whole`` False also a prefix of one."""
+    if not isinstance(key, str) or not key or len(key) > ENTRY_ID or (whole and len(key) != ENTRY_ID):
+        return False
+    return all(c in _HEX for c in key.lower())
+
+
 class Catalog:
     """Finds entries by id and describes them, within a caller's transaction."""
 
@@ -32,7 +40,7 @@ class Catalog:
         Raises:
             EntryNotFound: not an id, no such entry, or the prefix is ambiguous.
         """
-        if not isinstance(key, str) or not key or len(key) > ENTRY_ID or any(c not in _HEX for c in key.lower()):
+        if not is_entry_id(key):
             raise EntryNotFound(f"{key!r} is not an entry id (16 hex digits, or a unique prefix)")
         prefix = key.lower().encode()
         cur = txn.cursor(db=self._db.ids)

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 from promptstore import rows
 from promptstore._paths import default_path, store_path
-from promptstore.codecs import detached, encode_layer, is_trimmable
+from promptstore.codecs import detached, encode_layer, is_trimmable, layers_of
 from promptstore.errors import InvalidInput
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
@@ -235,12 +235,7 @@ class PromptStore:
         toks = _keys.as_tokens(tokens)
         if len(toks) > _entry.MAX_TOKENS:  # its manifest could not be read back
             raise InvalidInput(f"an entry covers at most {_entry.MAX_TOKENS} tokens, not {len(toks)}")
-        try:
-            layers = None if isinstance(cache, (str, bytes, dict)) else list(cache)
-        except TypeError:  # not iterable
-            layers = None
-        if layers is None:
-            raise InvalidInput(f"cache must be a list of cache layers (make_prompt_cache(model)), not {type(cache).__name__}")
+        layers = layers_of(cache)
         if not layers:
             raise InvalidInput("cache has no layers")
         n = len(toks)
