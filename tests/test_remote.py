@@ -276,6 +276,34 @@ def test_trimmed_remote_match(tmp_path, remote_url):
         same(hit.cache, expect)
 
 
+def test_a_remote_prefix_hit_fetches_only_the_blocks_it_needs(tmp_path, remote_url):
+    """A 600-token prefix hit on a remote entry of 3 blocks and a bit fetched
+    all of it (and stored all of it here); it fetches the 2 blocks that hold
+    those 600 tokens, stores them as an entry of their own, and a later
+    longer match fetches only the rest."""
+    n = 3 * BLOCK_TOKENS + 100
+    a, b = pair(tmp_path, remote_url)
+    with a, b:
+        t = toks(n, seed=9)
+        a.put(MODEL, t, kv_cache(n, seed=13))
+        assert a.remote.flush(10)
+        row = 2 * 32 * 2  # one token of one array: 2 heads x 32 dims, bfloat16
+        hit = b.lookup(MODEL, t[:600] + [29999])
+        assert hit is not None and hit.matched == 600
+        expect = kv_cache(n, seed=13)
+        for layer in expect:
+            layer.trim(n - 600)
+        same(hit.cache, expect)
+        assert b.remote.stats()["bytes_fetched"] == 2 * BLOCK_TOKENS * row * 2 * 2  # 2 blocks x 2 arrays x 2 layers
+        assert [e.n_tokens for e in b.entries()] == [2 * BLOCK_TOKENS]
+        hit = b.lookup(MODEL, t + [1])
+        assert hit is not None and hit.matched == n
+        same(hit.cache, kv_cache(n, seed=13))
+        st = b.remote.stats()
+        assert st["bytes_fetched"] == n * row * 2 * 2  # the first 2 blocks came from this store's entry
+        assert st["blocks_reused"] == 2 * 2 * 2
+
+
 def test_recurrent_entries_match_only_whole(tmp_path, remote_url):
     a, b = pair(tmp_path, remote_url)
     with a, b:

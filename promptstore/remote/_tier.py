@@ -217,7 +217,8 @@ class Remote:
                 if usable < len(man.tokens) and trim_floor((layer.kind, layer.meta) for layer in man.layers) > usable:
                     usable = 0  # a chunked window past its first chunk: it no longer holds those tokens
                 if usable > better_than:
-                    found.append(Found(ekey, man, usable))
+                    # A prefix of a longer entry fetches only the blocks it needs.
+                    found.append(Found(ekey, man.prefix(usable) or man, usable))
             if readable == len(wanted):
                 break
         found.sort(key=lambda f: f.matched, reverse=True)

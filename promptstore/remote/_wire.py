@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from promptstore.codecs import Encoded, decode_layer
+from promptstore.codecs import Encoded, codec_for_kind, decode_layer
 from promptstore.errors import InvalidInput, PromptStoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blank, _blocks, _fill
 from promptstore.format._entry import DTYPE_NAMES, DTYPES, MAX_ARRAYS, MAX_LAYERS, MAX_TOKENS, check_meta, is_time
@@ -91,6 +91,30 @@ class RManifest:
     @property
     def kinds(self) -> Tuple[str, ...]:
         return tuple(layer.kind for layer in self.layers)
+
+    def prefix(self, n: int) -> Optional["RManifest"]:
+        """This entry cut to the shortest run of its blocks that covers ``n``
+        tokens: what a prefix hit of ``n`` tokens fetches (then trims to
+        ``n``), as ``Manifest.prefix`` cuts a local entry. None when there is
+        nothing to cut, or a layer cannot be cut (an array not cut along the
+        tokens, or a kind without ``prefix_meta``): the entry is fetched whole."""
+        k = next((i for i, end in enumerate(self.bounds) if end >= n), None)
+        if k is None or k == len(self.bounds) - 1:
+            return None
+        end = self.bounds[k]
+        layers = []
+        for layer in self.layers:
+            if not all(a.cut for a in layer.arrays):
+                return None
+            try:
+                meta = codec_for_kind(layer.kind).prefix_meta(layer.meta, end)
+            except PromptStoreError:
+                return None
+            if meta is None:
+                return None
+            arrays = tuple(replace(a, shape=a.shape[:-2] + (end,) + a.shape[-1:], parts=a.parts[: k + 1]) for a in layer.arrays)
+            layers.append(replace(layer, meta=meta, arrays=arrays))
+        return replace(self, tokens=self.tokens[:end], bounds=self.bounds[: k + 1], layers=tuple(layers))
 
     def parts(self) -> List[Tuple[bytes, int]]:
         """Every distinct block ``(address, nbytes)``, in manifest order."""
