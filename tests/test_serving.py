@@ -9,7 +9,7 @@ import time
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from _raw import flip_block, get_chunk, set_chunk, shared_block
 from conftest import continued, load_fixture, sample_tokens
@@ -200,6 +200,38 @@ def test_insert_never_waits_for_the_disk_and_close_flushes(store_path, llama):
     with PromptStore(store_path) as s:
         assert [i.n_tokens for i in s.entries()] == [64]
         assert same(s.get(fp, toks), cache)
+
+
+def test_a_cache_evicted_from_memory_while_its_write_waits_is_still_served(store_path, llama):
+    """With one cache in memory, a checkpoint evicted before its write was
+    committed was in neither tier: the fetch missed it (a smaller hit)."""
+    model, _, fp, path = llama
+    first, other = sample_tokens(48, seed=61), sample_tokens(20, seed=62)
+    a, _ = prefill(model, first)
+    b, _ = prefill(model, other)
+    pc = PersistentPromptCache(store_path, max_size=1)
+    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(store_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        pc.insert_cache(key(path), first, a, cache_type="user")
+        pc.insert_cache(key(path), other, b)  # memory holds this one only now
+        assert len(pc) == 1 and pc.pending == 2 and pc.stats()["written"] == 0
+        got, rest = pc.fetch_nearest_cache(key(path), first + [3])
+        assert rest == [3] and same(got, a)
+        got, rest = pc.fetch_nearest_cache(key(path), first[:30] + [3])  # trimmed, as a held cache is
+        expect = view(a)[0]
+        trim_prompt_cache(expect, 48 - 30)
+        assert rest == [3] and same(got, expect)
+        assert pc.stats()["memory_hits"] == 2 and pc.stats()["misses"] == 0
+        assert pc.stats_by_type()["user"]["n_sequences"] == 1  # held again, with its type
+    finally:
+        locker.stdin.write("\n")
+        locker.stdin.flush()
+        locker.wait(10)
+    pc.close()
+    with PromptStore(store_path) as s:
+        assert sorted(i.n_tokens for i in s.entries()) == [20, 48]
+        assert same(s.get(fp, first), a)
 
 
 @pytest.mark.parametrize("shared_blocks", [True, False], ids=["shared-blocks", "payload"])

@@ -273,6 +273,14 @@ class PersistentPromptCache:
         mkey = ident if ident is not None else ("memory-only", model)
         found = self._memory.best(mkey, q)
         m = found[1] if found else 0
+        queued = self._writer.best(ident, q) if ident is not None and m < len(q) else None
+        if queued is not None and queued[1] > m:
+            # Evicted from memory while its write waits: it is still here, and not yet in the store.
+            job, m = queued
+            ctype = job.meta.get("cache_type")
+            entry = MemEntry(mkey, job.tokens, job.cache, job.nbytes, ctype if ctype in CACHE_TYPES else "assistant", job.trimmable, True)
+            self._memory.add(entry)
+            found = entry, m
         src, n = self._best_stored(model, ident, q) if ident is not None and m < len(q) and not self._closed else (None, 0)
         if src is not None and n > m:
             hit = self.store.lookup(src, q)
@@ -290,7 +298,7 @@ class PersistentPromptCache:
                         and hit.matched == hit.info.n_tokens):
                     # An ``arrays`` entry written before: rewritten as ``ssm.gated_delta``.
                     meta = dict(hit.info.meta) if isinstance(hit.info.meta, dict) else {}
-                    self._writer.submit(Job(ident, entry.tokens, layers, nbytes, meta, replace=True))
+                    self._writer.submit(Job(ident, entry.tokens, layers, nbytes, meta, replace=True, trimmable=trimmable))
                 return self._hand_out(checkout(layers, True)), toks[hit.matched:]
         if found is None:
             self._count("misses")
@@ -350,7 +358,7 @@ class PersistentPromptCache:
         if not self._remember(ident, toks) and self._stored(ident, toks):
             return  # written before and still stored (one evicted since is written again)
         meta = {"source": SOURCE, "cache_type": cache_type}
-        self._writer.submit(Job(ident, toks, layers, nbytes, meta))
+        self._writer.submit(Job(ident, toks, layers, nbytes, meta, trimmable=trimmable))
 
     # -- persistence -------------------------------------------------------------
 

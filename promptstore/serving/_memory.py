@@ -22,7 +22,7 @@ import numpy as np
 from promptstore.codecs import decode_layer, detached, encode_layer, layer_coverage
 from promptstore.errors import CoverageMismatch
 
-__all__ = ["view", "MemoryTier", "MemEntry"]
+__all__ = ["view", "MemoryTier", "MemEntry", "usable"]
 
 
 def view(cache: List[Any], n_tokens: Optional[int] = None) -> Tuple[List[Any], int, bool]:
@@ -60,6 +60,21 @@ def checkout(cache: List[Any], viewable: bool) -> List[Any]:
     if viewable:
         return view(cache)[0]
     return copy.deepcopy(cache)
+
+
+def usable(tokens: np.ndarray, trimmable: bool, query: np.ndarray) -> Optional[Tuple[int, int]]:
+    """How a held cache of ``tokens`` serves ``query``: ``(matched, 1)`` when
+    its tokens are a prefix of the query, ``(matched, 0)`` when it is
+    trimmable and shares ``matched > 0`` tokens with it, else None. The
+    pairs order the candidates: more tokens first, then no trim."""
+    m = min(len(tokens), len(query))
+    same = tokens[:m] == query[:m]
+    c = m if same.all() else int(np.argmin(same))
+    if c == len(tokens):
+        return c, 1
+    if trimmable and c > 0:
+        return c, 0
+    return None
 
 
 @dataclass
@@ -122,17 +137,9 @@ class MemoryTier:
             for key, e in self._entries.items():
                 if key[0] != model:
                     continue
-                m = min(len(e.tokens), len(query))
-                same = e.tokens[:m] == query[:m]
-                c = m if same.all() else int(np.argmin(same))
-                if c == len(e.tokens):
-                    r = (c, 1)
-                elif e.trimmable and c > 0:
-                    r = (c, 0)
-                else:
-                    continue
-                if r > rank:
-                    found, rank = (e, c), r
+                r = usable(e.tokens, e.trimmable, query)
+                if r is not None and r > rank:
+                    found, rank = (e, r[0]), r
             if found is not None:
                 self._entries.move_to_end(self._key(model, found[0].tokens))
         return found

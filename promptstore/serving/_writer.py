@@ -16,11 +16,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from promptstore.errors import PromptStoreError
+from promptstore.serving._memory import usable
 from promptstore.store import EntryInfo
 
 __all__ = ["Writer", "Job"]
@@ -38,6 +39,7 @@ class Job:
     nbytes: int
     meta: Dict[str, Any]
     replace: bool = False  # rewrite a stored entry (an older representation) instead of skipping it
+    trimmable: bool = False  # every layer can drop its last tokens (a longer cache serves its prefixes)
 
 
 class Writer:
@@ -68,7 +70,7 @@ class Writer:
         self._jobs: Deque[Job] = deque()
         self._cv = threading.Condition()
         self._pending_bytes = 0
-        self._busy = False
+        self._busy: Optional[Job] = None  # the job being written
         self._closed = False
         self.written = 0
         self.failed = 0
@@ -82,7 +84,7 @@ class Writer:
     def pending(self) -> int:
         """Jobs submitted and not yet finished."""
         with self._cv:
-            return len(self._jobs) + (1 if self._busy else 0)
+            return len(self._jobs) + (1 if self._busy is not None else 0)
 
     def submit(self, job: Job) -> bool:
         """Queue ``job``; never blocks on the disk. False when it was dropped."""
@@ -101,6 +103,23 @@ class Writer:
                 "(raise max_pending_bytes or use a faster disk)", pending, len(job.tokens))
         self._failed(job)
         return False
+
+    def best(self, model: str, query: np.ndarray) -> Optional[Tuple[Job, int]]:
+        """The pending job (queued, or being written) of ``model`` that serves
+        the longest prefix of ``query``, as ``MemoryTier.best`` ranks them:
+        ``(job, matched)``, or None. A cache the memory tier evicted while
+        its write waits is still served from here."""
+        found: Optional[Tuple[Job, int]] = None
+        rank = (0, 0)
+        with self._cv:
+            jobs = list(self._jobs) + ([self._busy] if self._busy is not None else [])
+        for job in jobs:
+            if job.model != model:
+                continue
+            r = usable(job.tokens, job.trimmable, query)
+            if r is not None and r > rank:
+                found, rank = (job, r[0]), r
+        return found
 
     def _failed(self, job: Job) -> None:
         if self._on_error is not None:
@@ -127,12 +146,12 @@ class Writer:
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
-                self._busy = True
+                self._busy = job
             try:
                 self._write(job)
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._busy = None
                     self._pending_bytes -= job.nbytes
                     self._cv.notify_all()
 
@@ -168,7 +187,7 @@ class Writer:
         """Wait until every submitted job is written; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._jobs or self._busy:
+            while self._jobs or self._busy is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
