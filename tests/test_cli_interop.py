@@ -253,3 +253,32 @@ def test_an_entry_under_the_older_folder_named_identity_exports_and_imports_back
     assert len(back) == len(cache)
     for a, b in zip(cache, back):
         assert_same(visible_state(a), visible_state(b))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_import_refuses_nan_or_inf_where_the_prompt_makes_numbers(tmp_path, bad):
+    """NaN compared false with the tolerance: a file of NaN keys passed the
+    token check as verified and replaced the stored entry of its prompt."""
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    model, tok, _, _ = load_fixture("llama")
+    prompt = "Explain prompt caches in one line."
+    cache = make_prompt_cache(model)
+    model(mx.array(encode_prompt(tok, prompt))[None], cache=cache)
+    for layer in cache:  # one position of one head, in the head the check compares
+        keys = layer.keys
+        keys[0, 0, 2, :] = mx.array(bad, dtype=keys.dtype)
+        layer.keys = keys
+    out = tmp_path / "bad.safetensors"
+    save_prompt_cache(str(out), cache)
+    runner = CliRunner()
+    store = str(tmp_path / "store")
+    good = runner.invoke(main, ["--store", store, "put", "--model", LLAMA, "--prompt", prompt, "--json"])
+    assert good.exit_code == 0, good.output
+    res = runner.invoke(main, ["--store", store, "import", "--model", LLAMA, "--prompt", prompt, str(out), "--json"])
+    assert res.exit_code == 1 and json.loads(res.stdout)["error"] == "CoverageMismatch", res.output
+    with PromptStore(store) as s:  # the stored entry is the put's, untouched
+        (info,) = list(s.entries())
+        assert info.id == json.loads(good.stdout)["id"] and info.meta.get("source") != "import"
+        cached, _, _ = s.load(info.id)
+        assert all(bool(mx.isfinite(a).all()) for a in _states(cached))

@@ -34,6 +34,8 @@ makes ``mx.array`` throw ``std::bad_cast``.
 
 from __future__ import annotations
 
+import math
+
 import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, cast
@@ -237,10 +239,13 @@ def _shorter(layer: Any, k: int) -> Any:
 
 def _worst(a: mx.array, b: mx.array, per_position: bool) -> float:
     """The largest mean absolute difference relative to the mean magnitude:
-    per position for KV arrays ``[B, heads, seq, dim]``, over all of a state."""
+    per position for KV arrays ``[B, heads, seq, dim]``, over all of a state.
+    Infinite where either side holds a NaN or an infinity: no prefill of the
+    prompt made those (and NaN compares false with any tolerance)."""
     axes = [0, 1, 3] if per_position else list(range(a.ndim))
     d = mx.abs(a - b).mean(axis=axes) / (mx.abs(b).mean(axis=axes) + 1e-6)
-    return cast(float, d.max().item())
+    worst = cast(float, d.max().item())
+    return worst if math.isfinite(worst) else math.inf
 
 
 def _states(layer: Any) -> List[mx.array]:
