@@ -282,3 +282,37 @@ def test_import_refuses_nan_or_inf_where_the_prompt_makes_numbers(tmp_path, bad)
         assert info.id == json.loads(good.stdout)["id"] and info.meta.get("source") != "import"
         cached, _, _ = s.load(info.id)
         assert all(bool(mx.isfinite(a).all()) for a in _states(cached))
+
+
+def test_a_template_that_refuses_a_system_only_prefix_costs_that_checkpoint_only(tmp_path):
+    """Qwen3's template raises "No user query found in messages." for a
+    system message alone: `put --messages` and a whole warm-up job failed
+    with an unexpected TemplateError instead of skipping that checkpoint."""
+    import shutil
+
+    model = tmp_path / "strict"
+    shutil.copytree(QNEXT, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    guard = ("{%- set ns = namespace(user=false) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+             "{%- set ns.user = true %}{%- endif %}{%- endfor %}"
+             "{%- if not ns.user %}{{- raise_exception('No user query found in messages.') }}{%- endif %}")
+    config["chat_template"] = guard + config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is a prompt cache?"}]
+    (tmp_path / "msgs.json").write_text(json.dumps(msgs))
+    runner = CliRunner()
+    store = str(tmp_path / "store")
+    res = runner.invoke(main, ["--store", store, "put", "--model", str(model), "--messages", str(tmp_path / "msgs.json"), "--json"])
+    assert res.exit_code == 0, res.output
+    _, tok, _, _ = load_fixture("qwen3_next")
+    first_turn = len(tok.apply_chat_template(msgs[:2], add_generation_prompt=False))
+    with PromptStore(store) as s:  # the first user turn's checkpoint, and the whole prompt
+        assert sorted(e.n_tokens for e in s.entries()) == [first_turn, len(tok.apply_chat_template(msgs, add_generation_prompt=False))]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in [
+        {"id": "a", "prompt": "A fine prompt."}, {"id": "b", "messages": msgs[:2]}, {"id": "c", "prompt": "Another fine prompt."}]) + "\n")
+    res = runner.invoke(main, ["--store", str(tmp_path / "warm"), "warmup", "--model", str(model), str(prompts), "--json"])
+    assert res.exit_code == 0, res.output
+    with PromptStore(tmp_path / "warm") as s:
+        assert len(list(s.entries())) == 3

@@ -13,6 +13,7 @@ synchronously, while continuing prefill writes into the KV buffers in place.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from promptstore.codecs import codec_for_layer
@@ -22,21 +23,28 @@ __all__ = ["BOUNDARY_ROLES", "message_boundaries", "needs_checkpoints", "prefill
 
 BOUNDARY_ROLES = ("system", "developer", "user")
 
+log = logging.getLogger("promptstore")
+
 
 def message_boundaries(tokenizer: Any, messages: List[Dict[str, Any]], tokens: Sequence[int]) -> List[int]:
     """Token counts at the end of each system/user message that are a true prefix of ``tokens``.
 
     Each count comes from templating the first k messages (no generation
     prompt); a count whose tokens are not exactly a prefix of the full list
-    (a template that rewrites earlier turns) is dropped. The full length
-    itself is not a boundary.
+    (a template that rewrites earlier turns) is dropped, and so is one the
+    template refuses to render (one that requires a user message, say). The
+    full length itself is not a boundary.
     """
     out = set()
     full = list(tokens)
     for k in range(1, len(messages)):
         if messages[k - 1].get("role") not in BOUNDARY_ROLES:
             continue
-        part = list(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False))
+        try:
+            part = list(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False))
+        except Exception as err:  # the template's own refusal (Qwen3's: "No user query found in messages.")
+            log.info("promptstore: no checkpoint after message %d: the chat template refuses the first %d messages: %s", k, k, err)
+            continue
         if 0 < len(part) < len(full) and full[: len(part)] == part:
             out.add(len(part))
     return sorted(out)
