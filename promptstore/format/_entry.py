@@ -225,6 +225,18 @@ def pack_manifest(
     return raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
 
 
+def manifest_bound(n_tokens: int, n_arrays: int, meta: Dict[str, Any]) -> int:
+    """About the most bytes :func:`pack_manifest` writes for an entry of
+    ``n_tokens`` tokens, ``n_arrays`` arrays and ``meta`` (checked), for a
+    caller that must stay under a byte budget before it puts: 4 bytes a
+    token, 48 a block reference (blocks of 128 tokens on average, a quarter
+    of the default: a conversation's turns cut blocks short) and 512 an array
+    record (names, dtype, shape, checksum, its layer's meta), 4 KiB for the
+    rest. Measured manifests take well under it (docs/performance.md)."""
+    refs = n_tokens // 128 + 2
+    return 4 * n_tokens + n_arrays * (48 * refs + 512) + 4096 + len(msgpack.packb(meta, use_bin_type=True))
+
+
 MAX_META_DEPTH = 64  # nesting of lists and maps in an entry's meta
 _META_INT = (-(1 << 63), 1 << 64)  # what msgpack packs as an integer
 _META_LEN = min(MAX_ARRAYS, 1 << 16)  # items of one list or map: unpack_manifest's max_array_len and max_map_len

@@ -42,6 +42,7 @@ import mlx.core as mx
 from promptstore.codecs import codec_for_layer, encode_layer
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
+from promptstore.format import _entry
 from promptstore.identity import fingerprint
 from promptstore.jobs.prefill import (
     PREFILL_STEP, CacheOptions, encode_prompt, eval_cache, id_error, load_model, make_cache, quantizer, vocab_size,
@@ -182,12 +183,14 @@ class _Job:
     def put(self, tokens: List[int], cache: List[Any], meta: Dict[str, Any], final: bool) -> None:
         budget = self._budget()
         if budget is not None:
-            # The entry's array bytes (lazy slices: nothing is copied to count them).
-            need = sum(a.nbytes for e in map(encode_layer, cache) for a in e.arrays.values())
+            # The entry's array bytes (lazy slices: nothing is copied to count
+            # them) and its manifest's, as the store's budget counts them.
+            arrays = [a for e in map(encode_layer, cache) for a in e.arrays.values()]
+            need = sum(a.nbytes for a in arrays) + _entry.manifest_bound(len(tokens), len(arrays), meta)
             if self.bytes + need > budget:
                 raise _BudgetReached(self.bytes, need, budget)
         info = self.store.put(self.model_id, tokens, cache, meta=meta)
-        # What the store took: blocks it already held (a shared prefix) count once.
+        # What the store took, its manifest included: blocks it already held (a shared prefix) count once.
         self.bytes += info.added if info.added is not None else info.nbytes
         if final:
             self.stored += 1

@@ -26,8 +26,9 @@ class EntryInfo:
     trimmable: bool
     meta: Dict[str, Any] = field(default_factory=dict)
     shared: int = 0  # of nbytes, the bytes in blocks stored once for every entry that has them
-    # put's return only: the array bytes that put added to the store (the
-    # entry's own, and the blocks the store did not hold yet); None elsewhere.
+    # put's return only: the bytes that put added to the store's usage (the
+    # entry's own arrays and manifest, and the blocks the store did not hold
+    # yet: what the budget counts); None elsewhere.
     added: Optional[int] = field(default=None, compare=False)
 
     @property

@@ -261,7 +261,7 @@ class PromptStore:
             trimmable=trimmable,
             meta=dict(meta or {}),
             shared=done.shared,
-            added=done.payload + done.written,
+            added=done.payload + done.manifest + done.written,
         )
 
     def put_row(self, model: str, tokens: _keys.Tokens, batch_cache: Sequence[Any], row: int, meta: Optional[Dict[str, Any]] = None,

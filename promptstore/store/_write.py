@@ -43,6 +43,7 @@ class Written:
     payload: int  # the entry's own array bytes
     shared: int = 0  # array bytes in shared blocks
     written: int = 0  # bytes of the blocks this put added (the rest were stored already)
+    manifest: int = 0  # bytes of its manifest (the entry's own size is payload + manifest)
 
 
 _GATED = "ssm.gated_delta"
@@ -350,6 +351,7 @@ class EntryWriter:
             blocks, shared = _cut(records, bounds)
         now = time.time() if created is None else created
         last_used = F64.pack(now if used is None else used)
+        committed: List[bytes] = []  # the manifest of the last attempt
         written: List[str] = []  # blob files this put wrote (one per attempt)
         packed: List[int] = []  # pack files this put wrote (one per attempt)
 
@@ -382,6 +384,7 @@ class EntryWriter:
                 man = pack(name)
             else:
                 chunks = _payload.iter_chunks(views, payload)
+            committed[:] = [man]
             return self.add(txn, ekey, toks, trimmable, man, chunks, last_used, payload + len(man), evict=expect is None, blocks=blocks, packs=packed)
 
         try:
@@ -396,7 +399,7 @@ class EntryWriter:
                 if not self._has_pack(num):
                     self._packs.unlink(num)
             raise
-        return Written(eid, now, payload, shared, new)
+        return Written(eid, now, payload, shared, new, len(committed[0]))
 
     def _same_representation(self, txn, ekey: bytes, kinds: Sequence[str]) -> None:
         """Refuse to replace an entry whose layers hold gated-DeltaNet state as
