@@ -179,3 +179,36 @@ def test_a_newer_release_writing_to_the_same_store_loses_nothing_to_verify_fix(t
         s.put(MODEL, list(range(40)), kv(40, 9))  # and this release goes on writing beside them
         assert s.verify().ok and len(s.verify().newer) == n
     print(f"\nnewer release: {n} of {n} entries kept by verify --fix")
+
+
+def test_a_newer_entry_sharing_blocks_keeps_them_through_verify_fix_and_rm(tmp_path):
+    """A conversation of 16, 32 and 48 tokens shares its blocks; the 48-token
+    entry is a newer release's. verify counted its references as missing
+    ("wrong reference counts"), --fix lowered the counts to the readable
+    entries' and dropped it from the prefix index, and rm of the two
+    shorter entries then freed the blocks it still uses."""
+    path = tmp_path / "s"
+    toks = list(range(100, 148))
+
+    def conversation(n):
+        c = kv(48, 3)
+        c[0].trim(48 - n)
+        return c
+
+    with PromptStore(path, block_tokens=16) as s:
+        ids = [s.put(MODEL, toks[:n], conversation(n)).id for n in (16, 32, 48)]
+        rewrite(s, toks, fmt)
+        report = s.verify()
+        assert report.ok and report.bad_counts == 0 and len(report.newer) == 1
+        fixed = s.verify(fix=True)
+        assert fixed.ok and len(fixed.newer) == 1
+        s.remove(ids[0])
+        s.remove(ids[1])
+        assert s.verify().ok
+    with PromptStore(path, block_tokens=16) as s:
+        rewrite(s, toks, lambda doc: doc.update(format=4))  # the newer release, reading its own entry
+        hit = s.lookup(MODEL, toks + [1])
+        assert hit is not None and hit.matched == 48  # still in the prefix index, every block still stored
+        got, want = hit.cache[0], conversation(48)[0]
+        assert all(mx.array_equal(a[..., :48, :], b[..., :48, :]).item() for a, b in ((got.keys, want.keys), (got.values, want.values)))
+        assert s.verify().ok

@@ -351,6 +351,22 @@ def _created(doc: dict, where: str) -> float:
     return value
 
 
+def newer_tokens(raw: bytes) -> Optional[Tuple[np.ndarray, bool]]:
+    """The token ids and trimmable flag of a manifest this reader refuses
+    as newer, read from its map as this format writes them, for the prefix
+    index alone (the entry itself is never read): None when they are not
+    there in that form. The caller checks the ids against the entry key."""
+    try:
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_TOKENS * 4, max_str_len=1 << 20,
+                              max_array_len=MAX_ARRAYS, max_map_len=1 << 16)
+    except Exception:  # msgpack raises many unrelated types on damage
+        return None
+    tokens = doc.get("tokens") if isinstance(doc, dict) else None
+    if not isinstance(tokens, bytes) or not tokens or len(tokens) % 4:
+        return None
+    return np.frombuffer(tokens, dtype="<u4").astype(np.uint32), doc.get("trimmable") is True
+
+
 def unpack_manifest(raw: bytes, where: str) -> Manifest:
     """Parse and validate a manifest; ``where`` names the entry in errors.
 

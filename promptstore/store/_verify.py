@@ -97,7 +97,11 @@ class Maintenance:
         db = self._db
         have = {bytes(k): _budget.ref_count(v) for k, v in txn.cursor(db=db.refs)}
         stored = self._stored(txn)
-        wrong = sorted(k for k in set(want) | set(have) if want.get(k, 0) != have.get(k, 0) and (want.get(k, 0) or not unreadable))
+        # While a manifest cannot be read (damaged, or a newer promptstore's
+        # entry, kept) its references are unknown: only a count below what
+        # the readable ones make is wrong.
+        wrong = sorted(k for k in set(want) | set(have)
+                       if (want.get(k, 0) > have.get(k, 0)) or (not unreadable and want.get(k, 0) != have.get(k, 0)))
         orphans = sorted(k for k in stored if k not in want) if not unreadable else []
         return _Counts(wrong, orphans)
 
@@ -119,9 +123,10 @@ class Maintenance:
 
     def recount_blocks(self, txn) -> None:
         """Set every block's reference count to the references the manifests
-        make; remove blocks no manifest references (none while a manifest
-        cannot be read: it may reference them). A block referenced but not
-        stored keeps its count at zero: its entries read as damaged."""
+        make; remove blocks no manifest references. While a manifest cannot
+        be read (it may reference blocks too) no count is lowered and no
+        block removed. A block referenced but not stored keeps its count at
+        zero: its entries read as damaged."""
         db = self._db
         want, unreadable = self._references(txn)
         stored = self._stored(txn)
@@ -133,9 +138,12 @@ class Maintenance:
             if key not in stored:
                 txn.delete(key, db=db.refs)
                 continue
-            size = _budget.ref_size(txn.get(key, db=db.refs))  # a block's size is in its refs record,
+            raw = txn.get(key, db=db.refs)
+            size = _budget.ref_size(raw)  # a block's size is in its refs record,
             if not size:  # unless that record is missing or damaged: then what the manifests say
                 size = sizes.get(key, 0)
+            if unreadable and raw is not None:
+                count = max(count, _budget.ref_count(raw))
             txn.put(key, _budget.ref_value(count, size), db=db.refs)
         if not unreadable:
             for key in stored:
@@ -208,15 +216,21 @@ class Maintenance:
             _budget.rebuild_lru(txn, self._db)
 
     def rebuild_index(self, txn) -> None:
-        """Rebuild the prefix index from the intact manifests."""
+        """Rebuild the prefix index from the intact manifests, and from those
+        of a newer promptstore's entries, kept, whose token ids match their
+        entry key (so the release that reads them still finds them)."""
         _index.clear(txn, self._db)
         for k, raw in list(txn.cursor(db=self._db.entries)):
             k = bytes(k)
             try:
                 man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(k))
-            except PromptStoreError:
-                continue
-            _index.add(txn, self._db, model_of(k), man.tokens, _keys.prefix_hashes(man.tokens), k, man.trimmable)
+                tokens, trimmable = man.tokens, man.trimmable
+            except PromptStoreError as err:
+                newer = _entry.newer_tokens(bytes(raw)) if is_newer(err, bytes(raw)) else None
+                if newer is None or _keys.entry_key(model_of(k), newer[0]) != k:
+                    continue
+                tokens, trimmable = newer
+            _index.add(txn, self._db, model_of(k), tokens, _keys.prefix_hashes(tokens), k, trimmable)
 
     def stray_blobs(self, txn) -> List[str]:
         """The blob files that no manifest in ``txn`` names. A blob's name
