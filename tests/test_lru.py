@@ -120,3 +120,20 @@ def test_reads_in_another_process_reach_the_eviction_order_within_the_flush_dela
     finally:
         proc.wait(timeout=hold + 30)
     assert proc.returncode == 0
+
+
+def test_set_budget_and_a_gc_plan_see_this_processs_recent_uses(tmp_path):
+    """gc wrote the uses this process recorded before it chose, set_budget and
+    gc's dry run did not: right after a use of ``a``, both chose ``a``, the
+    most recently used entry, over ``b``."""
+    with PromptStore(tmp_path / "s") as s:
+        a, b = s.put(MODEL, toks(0), kv(300, 0)), s.put(MODEL, toks(1), kv(300, 1))
+        time.sleep(0.01)
+        assert s.lookup(MODEL, toks(0)) is not None  # a: the latest use
+        plan = s.gc(budget=a.nbytes + 10_000, dry_run=True)
+        assert plan.evicted == (b.id,)
+        s.touch(MODEL, toks(1))  # b now
+        time.sleep(0.01)
+        s.touch(MODEL, toks(0))  # then a again
+        assert s.set_budget(a.nbytes + 10_000).evicted == (b.id,)
+        assert [e.id for e in s.entries()] == [a.id]

@@ -54,6 +54,7 @@ class Capacity:
         _check_plan(plan)
 
         def write(txn) -> GcReport:
+            self._usage.flush_in(txn)  # this process's recent uses count in the eviction order
             if budget is not None:
                 pinned = _budget.pinned_bytes(txn, self._db)
                 if pinned > budget:
@@ -71,6 +72,8 @@ class Capacity:
         budget = _budget.check_budget(budget)
         _check_plan(plan)
         if dry_run:
+            if self._usage.pending() and not self._env.readonly:
+                self._env.write(self._usage.flush_in)  # this process's recent uses count in the plan, as in gc's own
             with self._env.read() as txn:
                 target = budget if budget is not None else _budget.get_budget(txn, self._db)
                 return self._plan(txn, target)
