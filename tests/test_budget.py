@@ -100,14 +100,20 @@ def test_random_workload_lru_and_pins(tmp_path):
             assert sum(refs.values()) == info.shared  # its KV, in blocks
             shared += any(refs.keys() & other for eid, (_, _, _, other) in model.items() if eid != info.id)
             model[info.id] = (clock, own, tokens, refs)
-            # the model evicts LRU unpinned entries, never the new one, until what stays fits
+            # the model evicts LRU unpinned entries, never the new one, until what stays fits;
+            # then keeps back every victim, the most recently used first, that still fits
+            victims = {}
             for eid, _ in sorted(model.items(), key=lambda kv: kv[1][0]):
                 if _total(model.values()) <= budget:
                     break
                 if eid in pinned or eid == info.id:
                     continue
-                evicted += 1
-                del model[eid]
+                victims[eid] = model.pop(eid)
+            if _total(model.values()) <= budget:
+                for eid in reversed(list(victims)):
+                    if _total([*model.values(), victims[eid]]) <= budget:
+                        model[eid] = victims.pop(eid)
+            evicted += len(victims)
             assert ids(store) == set(model), f"step {step}: the store did not evict least-recently-used first"
             assert true_usage(store) == store.usage() == _total(model.values())
             assert store.usage() <= budget + own + sum(refs.values())  # never over the budget plus the entry being written
@@ -484,3 +490,38 @@ def test_verify_finds_and_fix_recounts_wrong_byte_counts(tmp_path, damage):
             store.env.write(lambda txn: txn.put(ekey, U64.pack(5_000_000), db=store._db.sizes))
             store.gc()
             assert store.usage() == true and store.verify().ok
+
+
+def test_eviction_keeps_back_prefix_entries_it_turned_out_not_to_need(tmp_path):
+    """A conversation's entries of 600, 1200 and 1800 tokens share their
+    blocks, so evicting the older two first frees their manifests only; the
+    1800-token entry then frees everything. The put that needed room evicted
+    all three where evicting the longest alone fits (and set_budget emptied a
+    store that one eviction brings under it)."""
+    from promptstore.bench import _data as data
+    import numpy as np
+
+    def conversation(store, seed, turns, per):
+        grower, rng = data.Grower(data.DENSE, seed), np.random.default_rng(seed)
+        cache, toks, out = grower.empty(), [], []
+        for _ in range(turns):
+            grower.extend(cache, per)
+            toks += data.token_ids(rng, per)
+            out.append(store.put(MODEL, list(toks), cache))
+        return out
+
+    with PromptStore(tmp_path / "s", budget=2_500_000) as s:
+        a = conversation(s, 1, 3, 600)
+        (b,) = conversation(s, 2, 1, 600)
+        (c,) = conversation(s, 3, 1, 100)
+        assert ids(s) == {a[0].id, a[1].id, b.id, c.id}  # the longest alone went
+        assert s.usage() == true_usage(s) <= 2_500_000
+        audit_blocks(s)
+    with PromptStore(tmp_path / "t") as s:
+        a = conversation(s, 1, 3, 600)
+        plan = s.gc(budget=1_300_000, dry_run=True)
+        assert plan.evicted == (a[2].id,) and plan.usage == s.usage() - plan.freed
+        report = s.set_budget(1_300_000)
+        assert report.evicted == (a[2].id,) and report.freed == plan.freed
+        assert ids(s) == {a[0].id, a[1].id} and s.usage() == true_usage(s) <= 1_300_000
+        audit_blocks(s)

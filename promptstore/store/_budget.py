@@ -25,7 +25,7 @@ larger than the budget until ``compact`` (the file never shrinks by itself).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.format._entry import unpack_manifest
@@ -190,10 +190,66 @@ def add_usage(txn, db: Tables, delta: int) -> None:
     _set_usage(txn, db, usage(txn, db) + delta)
 
 
+class Release:
+    """What evicting entries frees, their shared blocks included: a block
+    counts with the last of its referrers removed. Calling it with an entry
+    key plans that entry's removal after those planned before and returns
+    what it frees; :meth:`loss` and :meth:`spare` take one back.
+
+    ``blocks(ekey)``: the block addresses the entry's manifest references,
+    once per reference (none when it cannot be read: only its own size is
+    freed, and its blocks stay counted).
+    """
+
+    def __init__(self, txn, db: Tables, blocks: Callable[[bytes], Sequence[bytes]]):
+        self._txn = txn
+        self._db = db
+        self._blocks = blocks
+        self._of: Dict[bytes, Sequence[bytes]] = {}
+        self._dropped: Dict[bytes, int] = {}
+
+    def _refs(self, ekey: bytes) -> Sequence[bytes]:
+        if ekey not in self._of:
+            self._of[ekey] = self._blocks(ekey)
+        return self._of[ekey]
+
+    def __call__(self, ekey: bytes) -> int:
+        total = size_of(self._txn, self._db, ekey)
+        for key in self._refs(ekey):
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            ref = self._txn.get(key, db=self._db.refs)
+            if ref_count(ref) == self._dropped[key]:
+                total += ref_size(ref)
+        return total
+
+    def loss(self, ekey: bytes) -> int:
+        """What keeping a planned entry after all would leave stored: its own
+        size and the blocks its removal was the last to free."""
+        total = size_of(self._txn, self._db, ekey)
+        mine: Dict[bytes, int] = {}
+        for key in self._refs(ekey):
+            mine[key] = mine.get(key, 0) + 1
+        for key, n in mine.items():
+            ref = self._txn.get(key, db=self._db.refs)
+            if ref_count(ref) == self._dropped.get(key, 0):
+                total += ref_size(ref)
+        return total
+
+    def spare(self, ekey: bytes) -> None:
+        """Take a planned entry back out of the plan."""
+        for key in self._refs(ekey):
+            self._dropped[key] -= 1
+
+    def replay(self, ekeys: Sequence[bytes]) -> List[int]:
+        """Plan exactly ``ekeys``, in order, from nothing: what each frees."""
+        self._dropped = {}
+        return [self(k) for k in ekeys]
+
+
 Freed = Callable[[bytes], int]  # entry key -> bytes its removal frees (given the removals before it)
 
 
-def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Optional[Freed] = None) -> Tuple[List[Tuple[bytes, int]], int]:
+def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Union[None, Freed, Release] = None) -> Tuple[List[Tuple[bytes, int]], int]:
     """Entries to evict to reach ``budget``, least recently used first, and
     the usage after evicting them. Pinned entries and ``keep`` are spared.
 
@@ -213,6 +269,23 @@ def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Optional[Freed] 
         gain = freed(k) if freed is not None else size_of(txn, db, k)
         victims.append((k, gain))
         now -= gain
+    if isinstance(freed, Release) and len(victims) > 1 and now <= budget:
+        # An entry whose blocks a later victim still held freed little when it
+        # was planned (its own size); once that later victim goes, it may not
+        # be needed at all: keep back every victim, the most recently used
+        # first, that the budget can still hold.
+        room = budget - now
+        kept: Set[bytes] = set()
+        for k, _ in reversed(victims):
+            loss = freed.loss(k)
+            if loss <= room:
+                freed.spare(k)
+                kept.add(k)
+                room -= loss
+        if kept:
+            left = [k for k, _ in victims if k not in kept]
+            victims = list(zip(left, freed.replay(left)))
+            now = budget - room
     return victims, now
 
 

@@ -235,21 +235,13 @@ class EntryWriter:
             return 0
         return _packing.repack(txn, self._db, self._packs, packs, self.unlink_pack_later, str(self.path))
 
-    def freed_by(self, txn) -> _budget.Freed:
-        """What evicting an entry frees, its blocks included, given those planned before it."""
-        dropped: Dict[bytes, int] = {}
-
-        def freed(ekey: bytes) -> int:
-            total = _budget.size_of(txn, self._db, ekey)
+    def freed_by(self, txn) -> _budget.Release:
+        """What evicting entries frees, their blocks included, given those planned before."""
+        def blocks(ekey: bytes) -> List[bytes]:
             man = self.readable(txn, ekey)
-            for key, _ in man.blocks() if man is not None else ():
-                dropped[key] = dropped.get(key, 0) + 1
-                ref = txn.get(key, db=self._db.refs)
-                if _budget.ref_count(ref) == dropped[key]:
-                    total += _budget.ref_size(ref)
-            return total
+            return [key for key, _ in man.blocks()] if man is not None else []
 
-        return freed
+        return _budget.Release(txn, self._db, blocks)
 
     def readable(self, txn, ekey: bytes) -> Optional[Manifest]:
         """The manifest at ``ekey``, or None when there is none or it cannot be read."""
