@@ -103,8 +103,10 @@ def row_count(batch_cache: Sequence[Any]) -> int:
 
 def _check_row(batch_cache: Sequence[Any], row: Any) -> int:
     n = row_count(batch_cache)
-    if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < n:
-        raise InvalidInput(f"row {row!r} is out of range for a batch of {n} rows (valid: 0..{n - 1})")
+    if not isinstance(row, int) or isinstance(row, bool):
+        raise InvalidInput(f"row must be an int, not {type(row).__name__}")
+    if not 0 <= row < n:
+        raise InvalidInput(f"row {row} is out of range for a batch of {n} rows (valid: 0..{n - 1})")
     return n
 
 
@@ -181,8 +183,11 @@ def _flags(gated: Gated, n: int) -> List[bool]:
     if isinstance(gated, (str, bytes)) or not isinstance(gated, Sequence):
         raise InvalidInput(f"gated: one flag per layer, True or None, got {type(gated).__name__}")
     flags = list(gated)
-    if len(flags) != n or not all(isinstance(f, bool) for f in flags):
+    if len(flags) != n:
         raise InvalidInput(f"gated: {len(flags)} flags for a cache of {n} layers (one bool per layer)")
+    if not all(isinstance(f, bool) for f in flags):
+        odd = next(f for f in flags if not isinstance(f, bool))
+        raise InvalidInput(f"gated: one bool per layer, got a {type(odd).__name__}")
     return flags
 
 
@@ -367,7 +372,12 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
     if batch is not None:
         for li, layer in enumerate(batch):
             rows_for_layer(layer, f"layer {li}").check_settled(layer, f"layer {li}")
-    merged = [type(row_layers[0][li]).merge([r[li] for r in row_layers]) for li in range(n_layers)]
+    merged = []
+    for li in range(n_layers):
+        try:
+            merged.append(type(row_layers[0][li]).merge([r[li] for r in row_layers]))
+        except ValueError as err:  # mlx-lm's own refusal (windows of other sizes, say)
+            raise InvalidInput(f"layer {li}: these rows cannot be merged into one batch: {err}") from err
     if batch is None:
         return merged
     for layer, new in zip(batch, merged):

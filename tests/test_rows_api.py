@@ -4,6 +4,7 @@ CacheList rows, and merge_rows joining restored rows to a batch."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import (
@@ -54,8 +55,11 @@ def _running(name: str, k_save: int = 3):
 def test_row_out_of_range_is_invalid_input(store):
     gen, fp, _ = _running("qwen3_next")
     batch = gen._generation_batch
-    for bad in (4, 17, -1, True, "0", 1.0):
+    for bad in (4, 17, -1):
         with pytest.raises(InvalidInput, match="out of range for a batch of 4 rows"):
+            store.put_row(fp, list(batch.tokens[0]), batch.prompt_cache, bad)
+    for bad in (True, "0", 1.0):
+        with pytest.raises(InvalidInput, match="row must be an int"):
             store.put_row(fp, list(batch.tokens[0]), batch.prompt_cache, bad)
     with pytest.raises(InvalidInput, match="out of range"):
         extract_row(batch.prompt_cache, 4)
@@ -263,6 +267,12 @@ def test_merge_rows_refuses_mismatched_rows():
     with pytest.raises(InvalidInput, match="max_size 8 cannot join a batch of max_size 16"):
         merge_rows(merge_rows(None, [[rot]]), [[RotatingKVCache(8)]])
     assert type(merge_rows(None, [[rot]])[0]) is BatchRotatingKVCache
+    wide = RotatingKVCache(32)
+    wide.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+    with pytest.raises(InvalidInput, match="cannot be merged into one batch: .*same maximum size"):
+        merge_rows(None, [[rot], [wide]])  # a new batch: mlx-lm's ValueError escaped untyped
+    with pytest.raises(InvalidInput, match="row must be an int, not int64"):
+        extract_row(batch, np.int64(1))
     with pytest.raises(InvalidInput, match="has 2 layers, expected 1"):
         merge_rows(batch, [[_kv(3, 1), _kv(3, 2)]])
     with pytest.raises(InvalidInput, match="is a BatchKVCache: pass serial caches"):
