@@ -316,3 +316,31 @@ def test_a_template_that_refuses_a_system_only_prefix_costs_that_checkpoint_only
     assert res.exit_code == 0, res.output
     with PromptStore(tmp_path / "warm") as s:
         assert len(list(s.entries())) == 3
+
+
+def test_the_fit_check_refuses_another_window_or_dtype():
+    """A file whose sliding-window layers claimed another window than the
+    model's was imported as verified (and one of another dtype): the check
+    compared classes and shapes only. One window of 32 against 16 crashed
+    the token check with a raw broadcast ValueError instead."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from promptstore import ModelMismatch
+    from promptstore.jobs.interop import check_cache_fits_model
+
+    model, _, _, _ = load_fixture("gemma3_text")
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(3, 33))]), cache=cache)
+    check_cache_fits_model(cache, model)
+    window = next(i for i, layer in enumerate(cache) if hasattr(layer, "max_size"))
+    cache[window].max_size = 32
+    with pytest.raises(ModelMismatch, match=f"layer {window} is a window of 32 tokens .* the model's is 16"):
+        check_cache_fits_model(cache, model)
+    model, _, _, _ = load_fixture("llama")
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(3, 13))]), cache=cache)
+    check_cache_fits_model(cache, model)
+    cache[0].keys = cache[0].keys.astype(mx.float16)
+    cache[0].values = cache[0].values.astype(mx.float16)
+    with pytest.raises(ModelMismatch, match="layer 0 holds arrays of dtypes"):
+        check_cache_fits_model(cache, model)

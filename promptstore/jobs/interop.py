@@ -235,15 +235,17 @@ def read_mlx_cache_file(path: PathLike) -> MlxCacheFile:
 
 
 def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache") -> None:
-    """Refuse a cache whose layer classes or array shapes are not the model's.
+    """Refuse a cache whose layer classes, windows, array shapes or dtypes are not the model's.
 
     The check compares with what one token of prefill makes on ``model``:
     the same class per layer (or the class mlx-lm's ``--kv-bits`` or
-    ``--max-kv-size`` makes of a KVCache) and, per array, the same shape
-    apart from the sequence axis (a quantized layer's once dequantized).
+    ``--max-kv-size`` makes of a KVCache), the model's own window size and
+    kept tokens for its sliding-window layers, and, per array, the same shape
+    apart from the sequence axis (a quantized layer's once dequantized) and,
+    in a layer of the model's own class, the same dtype.
 
     Raises:
-        ModelMismatch: another layer count, class or shape.
+        ModelMismatch: another layer count, class, window, shape or dtype.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -258,8 +260,17 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
             raise ModelMismatch(
                 f"{where}: layer {i} is {type(theirs).__name__}, the model makes {want.__name__}; it was made by another model"
             )
+        if type(mine) is type(theirs) and hasattr(mine, "max_size"):  # the model's own window, not --max-kv-size's
+            if (mine.max_size, getattr(mine, "keep", 0)) != (theirs.max_size, getattr(theirs, "keep", 0)):
+                raise ModelMismatch(
+                    f"{where}: layer {i} is a window of {theirs.max_size} tokens (keeping {getattr(theirs, 'keep', 0)}), "
+                    f"the model's is {mine.max_size} (keeping {getattr(mine, 'keep', 0)}); it was made by another model"
+                )
     model(mx.array([[0]]), cache=probe)
     probe = [_to_mlx_lm_layer(layer) for layer in probe]
+
+    def dtypes(layer):
+        return [v.dtype for _, v in tree_flatten(layer.state) if isinstance(v, mx.array) and v.ndim >= 3]
 
     def shapes(layer):
         return [v.shape for _, v in tree_flatten(layer.state) if isinstance(v, mx.array) and v.ndim >= 3]
@@ -270,6 +281,9 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
             a, b = [kv_shape(mine)], [kv_shape(theirs)]
         if len(a) != len(b) or not all(_same_but_length(x, y, mine) for x, y in zip(a, b)):
             raise ModelMismatch(f"{where}: layer {i} holds arrays of shapes {b}, the model's are {a}; it was made by another model")
+        if type(mine) is type(theirs) and dtypes(mine) != dtypes(theirs):
+            raise ModelMismatch(f"{where}: layer {i} holds arrays of dtypes {dtypes(theirs)}, the model makes {dtypes(mine)}; "
+                                "it was made by another model (or another conversion of it)")
 
 
 def _same_but_length(x: Tuple[int, ...], y: Tuple[int, ...], layer: Any) -> bool:
