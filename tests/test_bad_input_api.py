@@ -477,3 +477,12 @@ def test_a_store_path_that_is_a_dangling_link_says_so(tmp_path):
     (tmp_path / "s").symlink_to(tmp_path / "nowhere")
     with pytest.raises(StoreUnavailable, match="a symbolic link to .*nowhere, which does not exist"):
         PromptStore(tmp_path / "s")
+
+
+def test_a_warmup_id_that_is_not_a_finite_number_is_a_line_error(tmp_path):
+    # `warmup --json` printed the id back as a bare NaN, which is not JSON.
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 1, "prompt": "fine"}\n{"id": NaN, "prompt": "x"}\n{"id": -Infinity, "prompt": "y"}\n')
+    records, errors = read_prompts(f)
+    assert [r.id for r in records] == [1]
+    assert [(e.line, e.id) for e in errors] == [(2, "nan"), (3, "-inf")] and "finite" in errors[0].reason

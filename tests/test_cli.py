@@ -504,3 +504,13 @@ def test_a_kv_group_size_that_does_not_divide_the_head_dimension_names_the_fix(c
                  "--quantized-kv-start", "0", "--json", code=1))
     assert err["error"] == "InvalidInput" and "--kv-group-size that divides" in err["message"]
     assert js(cli("ls", "--json")) == []
+
+
+def test_an_output_name_at_the_file_system_limit_is_written(cli, tmp_path):
+    # The temporary file's name was built from the output's, longer than it: a
+    # valid 250-byte name failed ("File name too long") after the work.
+    entry = put(cli, PROMPT, LLAMA)
+    out = tmp_path / ("x" * 240 + ".safetensors")
+    doc = js(cli("export", entry["id"], "-o", str(out), "--model", LLAMA, "--json"))
+    assert doc["output"] == str(out) and out.is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left

@@ -24,6 +24,8 @@ checks the tokens exactly.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -165,7 +167,9 @@ def write_mlx_cache_file(
         metadata[TOKENS_KEY] = json.dumps([int(t) for t in tokens])
     if fingerprint is not None:
         metadata[MODEL_KEY] = fingerprint
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    # A short hidden name beside it (not one built from a name that may be
+    # at the file system's limit already), unique to this process.
+    tmp = path.with_name(f".promptstore-{os.getpid()}-{secrets.token_hex(4)}.tmp{path.suffix}")
     try:
         mx.eval([layer.state for layer in layers])
         try:

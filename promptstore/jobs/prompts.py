@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,8 @@ def _check_record(obj: Any) -> Tuple[Any, Optional[str]]:
         return rid, 'give exactly one of "prompt" or "messages"'
     if isinstance(rid, (dict, list)):
         return rid, '"id" must be a string or a number'
+    if isinstance(rid, float) and not math.isfinite(rid):  # JSON has no NaN: a --json summary could not print it
+        return str(rid), '"id" must be a string or a finite number'
     try:  # the entry's meta holds it as text: one that is not UTF-8 would fail the whole batch at put
         str(rid).encode("utf-8")
     except UnicodeEncodeError as err:
