@@ -71,8 +71,11 @@ def gc(obj, budget, dry_run, yes, as_json):
     # Pinned entries are never evicted: past them the budget cannot be met (the real run refuses it).
     short = plan is not None and target is not None and plan.usage > target
     if short and not as_json:
+        why = ("unpin entries or choose a larger budget" if list(store.pinned()) else
+               "no entry is pinned: blocks of damaged entries still count (gc frees those no entry names "
+               "after it evicts; `promptstore verify` lists the damage)")
         click.echo(f"the budget cannot be reached: after evicting every unpinned entry the store would hold "
-                   f"{format_size(plan.usage)}; unpin entries or choose a larger budget", err=True)
+                   f"{format_size(plan.usage)}; {why}", err=True)
     if dry_run:
         if as_json:
             emit_json({"dry_run": True, "budget": target, "evict": list(evicting), "bytes": plan.freed if plan else 0,

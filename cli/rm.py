@@ -57,9 +57,9 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
         keep = model_filter(model)
         plan = [i for i in everything if keep(i) and (cutoff is None or i.last_used < cutoff)]
     total = sum(i.nbytes for i in plan)
-    # What removing them frees: their own bytes (blocks only they reference
-    # between them may free more; the report after says what it freed).
-    own = sum(store.own_bytes([i.id for i in plan]).values()) if plan else 0
+    # What removing them together frees: their own bytes and manifests, and
+    # the blocks no entry outside the plan references.
+    own = store.frees([i.id for i in plan]) if plan else 0
     keylen = key_length(i.id for i in everything)
 
     def report(removed, missing=(), freed=0):
@@ -70,7 +70,7 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
                 "removed": [i.id for i in removed],
                 "vanished": list(missing),
                 "bytes": sum(i.nbytes for i in removed) if not dry_run else total,  # their caches' bytes
-                "own_bytes": own,  # of those, not shared with entries outside the plan (before removal)
+                "own_bytes": own,  # what removing them frees: not shared with entries outside the plan (before removal)
                 "freed": freed,  # what the store's usage fell by
             })
 
@@ -81,7 +81,8 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
         return
     if not as_json:
         render_table(entry_rows(plan, keylen), right={3, 4})
-        click.echo(f"plan: remove {plural(len(plan))}, {format_size(total)} of cache, {format_size(own)} of it not shared")
+        click.echo(f"plan: remove {plural(len(plan))}, {format_size(total)} of cache; frees {format_size(own)} "
+                   "(what no entry outside the plan shares)")
     if dry_run:
         if not as_json:
             click.echo("dry run: nothing removed")

@@ -525,3 +525,32 @@ def test_eviction_keeps_back_prefix_entries_it_turned_out_not_to_need(tmp_path):
         assert report.evicted == (a[2].id,) and report.freed == plan.freed
         assert ids(s) == {a[0].id, a[1].id} and s.usage() == true_usage(s) <= 1_300_000
         audit_blocks(s)
+
+
+def test_gc_frees_the_blocks_of_an_evicted_entry_whose_manifest_was_damaged(tmp_path):
+    """Such an entry cannot release its blocks as it goes: gc evicted it and
+    left its blocks counted, in usage and against the budget, until a
+    `verify --fix`; gc now recounts them once it has evicted."""
+    from promptstore.bench import _data as data
+    from promptstore.store import _keys
+    import numpy as np
+
+    with PromptStore(tmp_path / "s") as s:
+        grower, rng = data.Grower(data.DENSE, 5), np.random.default_rng(5)
+        cache, toks = grower.empty(), []
+        for _ in range(2):
+            grower.extend(cache, 600)
+            toks += data.token_ids(rng, 600)
+            s.put(MODEL, list(toks), cache)
+        ekey = _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(toks))
+
+        def damage(txn):
+            raw = bytearray(txn.get(ekey, db=s._db.entries))
+            raw[5] ^= 0xFF
+            raw[6] ^= 0xFF
+            txn.put(ekey, bytes(raw), db=s._db.entries)
+
+        s.env.write(damage)
+        report = s.gc(budget=1000)
+        assert len(report.evicted) == 2 and report.usage == s.usage() == true_usage(s) == 0
+        assert s.verify().ok

@@ -192,11 +192,20 @@ def test_rm_reports_what_it_frees_not_the_shared_bytes(cli):
     plan = js(cli("rm", short.id, "--dry-run", "--json"))
     assert plan["bytes"] == short.nbytes and plan["own_bytes"] < short.nbytes // 20
     human = cli("rm", short.id, "--dry-run").stdout
-    assert "not shared" in human
+    assert "frees" in human
     done = js(cli("rm", short.id, "--yes", "--json"))
     with PromptStore(cli.store_dir) as s:
         assert done["freed"] == usage - s.usage() < short.nbytes // 20
-        assert done["own_bytes"] <= done["freed"]
+        assert done["own_bytes"] == done["freed"]
+        again = s.put("m@0123456789abcdef", tokens[:1024], cache(1024))
+        longer = next(e for e in s.entries() if e.n_tokens == 2048)
+        usage = s.usage()
+    # Both: nothing outside the plan shares their blocks, so it frees them all
+    # (it summed each entry's unshared bytes: the 1024 tokens both hold were left out).
+    plan = js(cli("rm", again.id, longer.id, "--dry-run", "--json"))
+    assert plan["own_bytes"] == usage
+    done = js(cli("rm", again.id, longer.id, "--yes", "--json"))
+    assert done["freed"] == done["own_bytes"] == usage
 
 
 def test_rm_by_model_and_older_than(cli, monkeypatch):

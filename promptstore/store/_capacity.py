@@ -11,6 +11,8 @@ the planned entries that are still there, and no others.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 from typing import List, Optional, Sequence, Set, Tuple
 
@@ -83,9 +85,14 @@ class Capacity:
             _budget.recount(txn, self._db)
             target = budget if budget is not None else _budget.get_budget(txn, self._db)
             report = self._evict(txn, target, plan)
+            # An evicted entry whose manifest was damaged could not release its
+            # blocks: counted once more, they are freed here when no other
+            # manifest names them (none is freed while one cannot be read).
+            self._maintenance.recount_blocks(txn)
+            _budget.recount(txn, self._db)
             self._writer.repack(txn, [])
             self._maintenance.sweep_blobs(txn)
-            return report
+            return replace(report, usage=_budget.usage(txn, self._db))
 
         return self._env.write(write)
 

@@ -18,6 +18,21 @@ log = logging.getLogger("promptstore")
 _HEX = frozenset("0123456789abcdef")
 
 
+def id_list(keys: Iterable[str]) -> List[str]:
+    """``keys`` as a list of entry ids (str).
+
+    Raises:
+        InvalidInput: ``keys`` is not a list of ids (one string is not).
+    """
+    try:
+        ids = None if isinstance(keys, (str, bytes)) else list(keys)
+    except TypeError:
+        ids = None
+    if ids is None or not all(isinstance(k, str) for k in ids):
+        raise InvalidInput(f"keys must be a list of entry ids (str), not {type(keys).__name__}")
+    return ids
+
+
 def is_entry_id(key: Any, whole: bool = False) -> bool:
     """Whether ``key`` is an entry id (16 hex digits, any case), or with
     ``whole`` False also a prefix of one."""
@@ -96,14 +111,8 @@ class Catalog:
         Raises:
             InvalidInput: ``keys`` is not a list of ids.
         """
-        try:
-            ids = None if isinstance(keys, (str, bytes)) else list(keys)
-        except TypeError:
-            ids = None
-        if ids is None or not all(isinstance(k, str) for k in ids):
-            raise InvalidInput(f"keys must be a list of entry ids (str), not {type(keys).__name__}")
         out: Dict[str, int] = {}
-        for key in ids:
+        for key in id_list(keys):
             try:
                 man = manifest(self.resolve(txn, key))
             except PromptStoreError:

@@ -21,14 +21,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 from promptstore import rows
 from promptstore._paths import default_path, store_path
 from promptstore.codecs import detached, encode_layer, is_trimmable, layers_of
-from promptstore.errors import InvalidInput
+from promptstore.errors import EntryNotFound, InvalidInput
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
 from promptstore.store import _keys
 from promptstore.store._budget import check_budget
 from promptstore.store._capacity import Capacity
-from promptstore.store._catalog import Catalog
+from promptstore.store._catalog import Catalog, id_list
 from promptstore.store._env import DEFAULT_MAP_SIZE, MAX_MAP_SIZE, Env
 from promptstore.store._lmdbfile import live_data_size
 from promptstore.store._fetched import adopt, remote_key
@@ -451,6 +451,28 @@ class PromptStore:
         """
         with self.env.read() as txn:
             return self._catalog.own_bytes(txn, keys, lambda ekey: self._reader.manifest(txn, ekey))
+
+    def frees(self, keys: Iterable[str]) -> int:
+        """What deleting the entries of these ids together would free: their
+        own bytes (payload and manifest) and every shared block that no entry
+        outside them references. Ids no longer stored are left out.
+
+        Raises:
+            InvalidInput: ``keys`` is not a list of ids.
+        """
+        ids = id_list(keys)
+        with self.env.read() as txn:
+            release = self._writer.freed_by(txn)
+            total, seen = 0, set()
+            for key in ids:
+                try:
+                    ekey = self._catalog.resolve(txn, key)
+                except EntryNotFound:
+                    continue
+                if ekey not in seen:
+                    seen.add(ekey)
+                    total += release(ekey)
+            return total
 
     def counters(self) -> Dict[str, int]:
         """Hits and misses recorded by every process (after their flush)."""
