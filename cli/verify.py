@@ -67,7 +67,9 @@ def verify(obj, fix, as_json):
                 f"fixed: removed {plural(len(report.problems), 'damaged entry')} and {plural(report.orphan_chunks, 'orphaned chunk')} "
                 f"of {report.checked} checked"
             )
-        else:
+        elif report.problems:
             click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)
+        else:  # counts or leftovers only: every entry is intact
+            click.echo(f"{plural(report.checked)} checked, none damaged; run `promptstore verify --fix` to repair the counts", err=True)
     if not report.ok:
         sys.exit(1)

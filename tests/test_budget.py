@@ -554,3 +554,20 @@ def test_gc_frees_the_blocks_of_an_evicted_entry_whose_manifest_was_damaged(tmp_
         report = s.gc(budget=1000)
         assert len(report.evicted) == 2 and report.usage == s.usage() == true_usage(s) == 0
         assert s.verify().ok
+
+
+def test_cli_verify_with_only_wrong_counts_says_nothing_is_damaged(tmp_path):
+    # It ended with "0 damaged of 2 checked; run `promptstore verify --fix` to remove them".
+    from click.testing import CliRunner
+
+    from promptstore.cli import main
+    from promptstore.store._schema import U64, USAGE_KEY
+
+    with PromptStore(tmp_path / "s") as store:
+        for turn in (1, 2):
+            store.put(MODEL, *chat_entry(0, turn))
+        store.env.write(lambda txn: txn.put(USAGE_KEY, U64.pack(7), db=store._db.info))
+    res = CliRunner().invoke(main, ["--store", str(tmp_path / "s"), "verify"])
+    assert res.exit_code == 1
+    assert "2 entries checked, none damaged; run `promptstore verify --fix` to repair the counts" in res.stderr
+    assert "remove" not in res.stderr
