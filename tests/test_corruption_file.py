@@ -195,3 +195,31 @@ def test_verify_reports_a_data_file_on_which_lmdb_would_abort(tmp_path):
         assert out.returncode == 1, (page, out.returncode, out.stderr[-500:])
         doc = json.loads(out.stdout)
         assert doc["error"] == "StoreUnavailable" and "salvage" in doc["message"] and "damaged" in doc["message"], doc
+
+
+def test_salvage_keeps_the_pin_and_last_use_of_an_entry_the_scan_found(tmp_path):
+    """An entry whose manifest is damaged, found again by the byte scan (an
+    earlier copy in a freed page), came out unpinned and last used in 1970,
+    first in line for eviction, though the pin and last-use tables read fine."""
+    from promptstore.store import _keys, salvage
+
+    src = tmp_path / "s"
+    tokens, cache = chat_entry(0, 1)
+    with PromptStore(src) as s:
+        info = s.put(MODEL, tokens, cache, meta={"v": 1})
+        s.pin(info.id)
+        used = next(iter(s.entries())).last_used
+        ekey = _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(tokens))
+
+        def damage(txn):
+            raw = bytearray(txn.get(ekey, db=s._db.entries))
+            raw[-3] ^= 0xFF
+            txn.put(ekey, bytes(raw), db=s._db.entries)
+
+        s.env.write(damage)
+    report = salvage(src, tmp_path / "d")
+    assert report.copied == (info.id,) and report.scanned == (info.id,)
+    with PromptStore(tmp_path / "d") as d:
+        assert d.pinned() == [info.id]
+        assert [e.last_used for e in d.entries()] == [used]
+        same_cache(d.get(MODEL, tokens), cache)

@@ -212,3 +212,22 @@ def test_a_newer_entry_sharing_blocks_keeps_them_through_verify_fix_and_rm(tmp_p
         got, want = hit.cache[0], conversation(48)[0]
         assert all(mx.array_equal(a[..., :48, :], b[..., :48, :]).item() for a, b in ((got.keys, want.keys), (got.values, want.values)))
         assert s.verify().ok
+
+
+def test_salvage_leaves_a_newer_entry_behind_and_never_brings_back_an_older_copy(tmp_path):
+    """Its manifest refused as newer, salvage treated it as damage: the byte
+    scan then found the entry's earlier manifest in a freed page and copied
+    that, reporting nothing left behind."""
+    from promptstore.store import salvage
+
+    src = tmp_path / "s"
+    with PromptStore(src) as s:
+        s.put(MODEL, list(range(10)), kv(10, 1))
+        s.put(MODEL, list(range(20)), kv(20, 2))
+        rewrite(s, list(range(20)), fmt)
+    report = salvage(src, tmp_path / "d")
+    assert len(report.copied) == 1 and not report.scanned
+    (left,) = report.skipped
+    assert "newer promptstore" in left[1]
+    with PromptStore(tmp_path / "d") as d:
+        assert [e.n_tokens for e in d.entries()] == [10]

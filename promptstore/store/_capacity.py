@@ -96,6 +96,21 @@ class Capacity:
 
         return self._env.write(write)
 
+    def frees(self, ids: Sequence[str]) -> int:
+        """See :meth:`PromptStore.frees`: measured as eviction measures it (``freed_by``)."""
+        with self._env.read() as txn:
+            release = self._writer.freed_by(txn)
+            total, seen = 0, set()
+            for eid in ids:
+                try:
+                    ekey = self._catalog.resolve(txn, eid)
+                except EntryNotFound:
+                    continue
+                if ekey not in seen:
+                    seen.add(ekey)
+                    total += release(ekey)
+            return total
+
     def _plan(self, txn, budget: Optional[int]) -> GcReport:
         if budget is None:
             return GcReport((), 0, _budget.usage(txn, self._db), None, True)

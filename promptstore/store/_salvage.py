@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import lmdb
 
 from promptstore._paths import user_path
-from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable
+from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _packs, _payload
 from promptstore.store import _budget, _keys, _rawscan
 from promptstore.store._env import Env, live_dir
@@ -31,6 +31,7 @@ from promptstore.store._schema import (
     parse_pair,
 )
 from promptstore.store._usage import Usage
+from promptstore.store._verify import is_newer
 from promptstore.store._write import EntryWriter
 
 
@@ -165,6 +166,7 @@ def salvage(src, dst) -> SalvageReport:
             raise
         env, dbs, unopened = None, None, err  # its tree cannot be walked: the raw scan may still find entries
     copied: List[str] = []
+    newer: Set[str] = set()  # intact entries of a newer promptstore: left behind, never scanned for
     skipped: List[Tuple[str, str]] = []
     raw_found: List[str] = []
     broken: List[str] = []
@@ -203,6 +205,13 @@ def salvage(src, dst) -> SalvageReport:
                     eid = _keys.entry_id(ekey)
                     try:
                         raw, man, chunks, blocks, used, pinned = _read_entry(env, dbs, ekey, src)
+                    except (UnsupportedVersion, UnknownStorageKind) as err:
+                        if _newer(env, dbs, ekey, err):  # intact: never replaced by an older copy the scan finds
+                            newer.add(eid)
+                            skipped.append((eid, f"written by a newer promptstore, not copied (salvage it with that release): {err}"))
+                        else:
+                            skipped.append((eid, f"{type(err).__name__}: {err}"))
+                        continue
                     except Exception as err:  # lmdb errors on damaged pages included: skip, keep going
                         skipped.append((eid, f"{type(err).__name__}: {err}"))
                         continue
@@ -214,13 +223,14 @@ def salvage(src, dst) -> SalvageReport:
                 # entries they name that could not be read: a manifest left
                 # in freed pages is an entry deleted before, not one to
                 # bring back. Past a broken tree every manifest found counts.
-                only = {e for e, _ in skipped} if env is not None and not broken else None
-                for ekey, eid, outcome in _raw_pass(src, scratch, done, only):
+                only = {e for e, _ in skipped} - newer if env is not None and not broken else None
+                for ekey, eid, outcome in _raw_pass(src, scratch, done | newer, only):
                     if isinstance(outcome, str):
                         if eid not in {e for e, _ in skipped}:
                             skipped.append((eid, outcome))
                         continue
-                    copy(ekey, outcome.raw, outcome.man, outcome.chunks, outcome.blocks, None, False)
+                    used, pinned = _stamps(env, dbs, ekey) if env is not None else (None, False)
+                    copy(ekey, outcome.raw, outcome.man, outcome.chunks, outcome.blocks, used, pinned)
                     copied.append(eid)
                     raw_found.append(eid)
                     skipped[:] = [(e, w) for e, w in skipped if e != eid]
@@ -235,6 +245,29 @@ def salvage(src, dst) -> SalvageReport:
             env.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return SalvageReport(str(src), str(dst), tuple(copied), tuple(skipped), tuple(broken), tuple(raw_found))
+
+
+def _newer(env, dbs, ekey: bytes, err: PromptStoreError) -> bool:
+    """Whether ``err``, met reading the entry at ``ekey``, means a newer
+    promptstore wrote it (its manifest intact) rather than damage."""
+    try:
+        with env.begin() as txn:
+            raw = txn.get(ekey, db=dbs.entries)
+            return is_newer(err, bytes(raw) if raw is not None else None)
+    except Exception:  # lmdb errors on damaged pages included
+        return False
+
+
+def _stamps(env, dbs, ekey: bytes) -> Tuple[Optional[bytes], bool]:
+    """The last use and pin of the entry at ``ekey`` as the source's tables
+    hold them, for an entry the scan found: ``(None, False)`` when they
+    cannot be read."""
+    try:
+        with env.begin() as txn:
+            used = txn.get(ekey, db=dbs.used) if USED in dbs else None
+            return (bytes(used) if used is not None else None), PINS in dbs and txn.get(ekey, db=dbs.pins) is not None
+    except Exception:  # lmdb errors on damaged pages included
+        return None, False
 
 
 def _raw_pass(src: Path, scratch: Path, done: Set[str], only: Optional[Set[str]] = None) -> Iterator[Tuple[bytes, str, Any]]:

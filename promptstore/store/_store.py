@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 from promptstore import rows
 from promptstore._paths import default_path, store_path
 from promptstore.codecs import detached, encode_layer, is_trimmable, layers_of
-from promptstore.errors import EntryNotFound, InvalidInput
+from promptstore.errors import InvalidInput
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
 from promptstore.remote import RemoteTier, RemoteURL, open_remote
@@ -453,26 +453,10 @@ class PromptStore:
             return self._catalog.own_bytes(txn, keys, lambda ekey: self._reader.manifest(txn, ekey))
 
     def frees(self, keys: Iterable[str]) -> int:
-        """What deleting the entries of these ids together would free: their
-        own bytes (payload and manifest) and every shared block that no entry
-        outside them references. Ids no longer stored are left out.
-
-        Raises:
-            InvalidInput: ``keys`` is not a list of ids.
-        """
-        ids = id_list(keys)
-        with self.env.read() as txn:
-            release = self._writer.freed_by(txn)
-            total, seen = 0, set()
-            for key in ids:
-                try:
-                    ekey = self._catalog.resolve(txn, key)
-                except EntryNotFound:
-                    continue
-                if ekey not in seen:
-                    seen.add(ekey)
-                    total += release(ekey)
-            return total
+        """What deleting the entries of these ids together frees: their own
+        bytes (payload, manifest) and the blocks no other entry references.
+        Ids not stored are left out; not a list of ids: InvalidInput."""
+        return self._capacity.frees(id_list(keys))
 
     def counters(self) -> Dict[str, int]:
         """Hits and misses recorded by every process (after their flush)."""
