@@ -418,3 +418,30 @@ def test_a_resumed_job_stores_what_an_uninterrupted_one_does(tmp_path):
         s = warmup(st, mdir, PROMPTS, batch_size=1, checkpoint_every=EVERY, loaded=(model, tok))
     assert s.stored == len(gone)
     assert _entries(resumed) == _entries(whole)
+
+
+def test_rows_put_again_after_a_failed_batch_do_not_count_their_checkpoints_twice(tmp_path):
+    """A batch whose put failed runs its rows again one at a time: their
+    checkpoints, stored the first time, were put and counted again (in
+    ``checkpoints`` and ``bytes``, which a budget stops on)."""
+    model, tok, fp, mdir = load_fixture("qwen3_next")
+    lines = [{"id": k, "prompt": f"Prompt number {k} about caches: " + "more words here " * (4 + 3 * k)} for k in range(3)]
+    bad = encode_prompt(tok, lines[1]["prompt"])
+
+    class FailsOneRow:  # the real store, whose put of one prompt's whole tokens fails
+        def __init__(self, store):
+            self._store = store
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+        def put(self, model_id, tokens, cache, **kw):
+            if list(tokens) == bad:
+                raise CorruptEntry("injected: this row's put fails")
+            return self._store.put(model_id, tokens, cache, **kw)
+
+    with PromptStore(tmp_path / "s") as st:
+        s = warmup(FailsOneRow(st), mdir, lines, batch_size=3, checkpoint_every=8, loaded=(model, tok))
+        entries = list(st.entries())
+        assert (s.stored, s.failed) == (2, 1) and s.checkpoints > 0
+        assert len(entries) == s.stored + s.checkpoints and s.bytes == st.usage()

@@ -181,6 +181,8 @@ class _Job:
             self.progress(self.done, self.total, self.tokens, time.perf_counter() - self.start)
 
     def put(self, tokens: List[int], cache: List[Any], meta: Dict[str, Any], final: bool) -> None:
+        if not final and self.store.exists(self.model_id, tokens):
+            return  # stored already (by an earlier run, or before its batch failed and its rows ran again): not written, not counted
         budget = self._budget()
         if budget is not None:
             # The entry's array bytes (lazy slices: nothing is copied to count
