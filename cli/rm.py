@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 
 import click
 
+from promptstore.errors import CorruptEntry
 from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option, plural, store_option
 from promptstore.cli._select import key_length, model_filter, model_help, parse_duration
 from promptstore.cli.ls import entry_rows, render_table
@@ -49,7 +50,10 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
     if keys:
         plan, seen = [], set()
         for key in keys:
-            info = store.info(key)  # EntryNotFound names the key: nothing is deleted
+            try:
+                info = store.info(key)  # EntryNotFound names the key: nothing is deleted
+            except CorruptEntry as err:  # its manifest is what is damaged: rm cannot say what it would remove
+                raise CorruptEntry(f"{err}; `promptstore verify --fix` removes damaged entries") from err
             if info.id not in seen:
                 seen.add(info.id)
                 plan.append(info)
