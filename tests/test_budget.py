@@ -571,3 +571,23 @@ def test_cli_verify_with_only_wrong_counts_says_nothing_is_damaged(tmp_path):
     assert res.exit_code == 1
     assert "2 entries checked, none damaged; run `promptstore verify --fix` to repair the counts" in res.stderr
     assert "remove" not in res.stderr
+
+
+def test_cli_rm_of_a_damaged_entry_points_at_verify_fix(tmp_path):
+    from click.testing import CliRunner
+
+    from promptstore.cli import main
+
+    with PromptStore(tmp_path / "s") as store:
+        info = store.put(MODEL, *chat_entry(0, 1))
+        ekey = ekey_of(store, info.id)
+
+        def damage(txn):
+            raw = bytearray(txn.get(ekey, db=store._db.entries))
+            raw[5] ^= 0xFF
+            raw[6] ^= 0xFF
+            txn.put(ekey, bytes(raw), db=store._db.entries)
+
+        store.env.write(damage)
+    res = CliRunner().invoke(main, ["--store", str(tmp_path / "s"), "rm", info.id, "--yes"])
+    assert res.exit_code == 1 and "`promptstore verify --fix` removes damaged entries" in res.stderr
