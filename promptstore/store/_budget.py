@@ -226,10 +226,7 @@ class Release:
         """What keeping a planned entry after all would leave stored: its own
         size and the blocks its removal was the last to free."""
         total = size_of(self._txn, self._db, ekey)
-        mine: Dict[bytes, int] = {}
-        for key in self._refs(ekey):
-            mine[key] = mine.get(key, 0) + 1
-        for key, n in mine.items():
+        for key in set(self._refs(ekey)):
             ref = self._txn.get(key, db=self._db.refs)
             if ref_count(ref) == self._dropped.get(key, 0):
                 total += ref_size(ref)
