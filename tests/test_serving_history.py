@@ -175,6 +175,41 @@ def test_answers_a_client_sends_back_otherwise_are_superseded_too(store_path, hy
         assert stored(store) == sorted([(len(SYSTEM), "system"), users[-2], users[-1], chat.boundaries[-1]])
 
 
+def test_a_thinking_models_tail_and_answer_checkpoints_are_superseded_too(store_path, hybrid):
+    """mlx-lm's server cuts a thinking model's prompt into [system, user,
+    tail] (the tail: the generation prompt's "<think>"): per turn it inserts
+    the user boundary, the prompt but its last token (typed "assistant", as
+    its tail) and the answer. The next prompt renders the answer without its
+    reasoning, so neither of the last two is a prefix of it: 10 turns left
+    23 entries, two more for good each turn (a serving reviewer's finding).
+    The tail checkpoint was forgotten as its answer's parent once the answer
+    was written, and the answer remembered under it, which no later write
+    extends."""
+    model, _, fp, path = hybrid
+    hdr, think, end = [301, 302], [303, 304], [305]
+    history = []
+    with PromptStore(store_path) as store, PersistentPromptCache(store, checkpoints=4) as pc:
+        for turn in range(10):
+            body = history + sample_tokens(6, seed=200 + turn) + hdr
+            prompt = SYSTEM + body + think
+            cache, rest = pc.fetch_nearest_cache(key(path), prompt)
+            done = len(prompt) - len(rest)
+            cache = cache if cache is not None else make_prompt_cache(model)
+            for end_at, kind in ((len(SYSTEM), "system"), (len(SYSTEM) + len(body), "user"), (len(prompt) - 1, "assistant")):
+                if end_at > done:
+                    feed(model, cache, prompt[done:end_at])
+                    pc.insert_cache(key(path), prompt[:end_at], cache, cache_type=kind)
+                    done = end_at
+            answer = sample_tokens(4, seed=300 + turn)
+            feed(model, cache, prompt[done:] + answer)
+            pc.insert_cache(key(path), prompt + answer, cache, cache_type="assistant")
+            history = body + answer + end  # the reasoning stripped: no think tokens
+            pc.flush()
+            assert len(list(store.entries())) <= 1 + 4 + 2, stored(store)  # + the turn's tail and answer, until the next write
+        assert [k for _, k in stored(store)][0] == "system" and len(list(store.entries())) <= 1 + 4
+        assert pc.stats()["prune_failed"] == 0
+
+
 def test_trimmable_conversations_are_untouched(store_path, llama):
     model, _, _, path = llama
     assert all(c.is_trimmable() for c in make_prompt_cache(model))
@@ -357,3 +392,26 @@ def test_serve_takes_checkpoints_and_passes_the_rest_to_mlx_lm(tmp_path, monkeyp
     seen.clear()
     bad = serve("--checkpoints", "-1", code=2)
     assert "--checkpoints" in bad.output and seen == {}
+
+
+def test_an_answers_parent_is_matched_by_its_tokens_not_its_hash_alone(store_path, hybrid):
+    """Two 1024-token prompts that differ everywhere (a Thue-Morse sequence
+    and its complement) have one prefix hash: a write in one conversation
+    pruned the other's answer checkpoint (a serving reviewer's finding)."""
+    from promptstore.store._keys import prefix_hashes
+
+    model, _, fp, path = hybrid
+    bits = [bin(i).count("1") & 1 for i in range(1024)]
+    a, b = [7 if x == 0 else 9 for x in bits], [9 if x == 0 else 7 for x in bits]
+    assert prefix_hashes(np.array(a, np.uint32))[-1] == prefix_hashes(np.array(b, np.uint32))[-1]
+    with PromptStore(store_path) as store, PersistentPromptCache(store, checkpoints=4) as pc:
+        cache = make_prompt_cache(model)
+        feed(model, cache, a)
+        pc.insert_cache(key(path), a, cache, cache_type="user")
+        feed(model, cache, [11, 12, 13])
+        pc.insert_cache(key(path), a + [11, 12, 13], cache, cache_type="assistant")
+        other = make_prompt_cache(model)
+        feed(model, other, b + [20])
+        pc.insert_cache(key(path), b + [20], other, cache_type="user")
+        pc.flush()
+        assert stored(store) == [(1024, "user"), (1025, "user"), (1027, "assistant")] and pc.stats()["pruned"] == 0

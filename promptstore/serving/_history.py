@@ -30,7 +30,10 @@ chain of a later write while the answer itself is not. That is what a
 client leaves that sends the answer back as text which tokenizes otherwise
 (a leading space the server dropped, reasoning a template strips), and what
 a regenerated answer leaves: without this, each turn of such a conversation
-kept one more checkpoint for good. Parents are remembered in this process
+kept one more checkpoint for good. An answer written after such an answer
+(a thinking model's: mlx-lm checkpoints the prompt but its last token, typed
+by its "<think>" tail, then the answer after it, and the next prompt renders
+the answer without its reasoning) goes with it. Parents are remembered in this process
 only (the latest :data:`_ANSWERS`), so after a restart such an answer stays
 until the byte budget evicts it. Two conversations whose turns share a
 checkpoint (the same first user message) share its answers' parent: a write
@@ -118,18 +121,36 @@ class History:
     def _diverged(self, chain: Sequence[EntryInfo], info: EntryInfo,
                   tokens: np.ndarray) -> Dict[str, Tuple[EntryInfo, np.ndarray]]:
         """The answer checkpoints (with their tokens) whose parent's tokens
-        begin ``tokens`` but which are not in ``chain``; and remember ``info``
+        begin ``tokens`` but which are not in ``chain``, and the answers
+        written after those, which diverged with them; and remember ``info``
         under its parent when it is an answer checkpoint extending a governed
-        one. Parents are matched by their tokens' prefix hash, so an answer
-        is found even when its parent entry was pruned since."""
-        hashes = _keys.prefix_hashes(np.asarray(tokens, dtype=np.uint32))
+        one. Parents are matched by their tokens (found by their prefix
+        hash), so an answer is found even when its parent entry was pruned
+        since. An answer still in the chain stays remembered: a later write
+        may leave it."""
+        toks = np.asarray(tokens, dtype=np.uint32)
+        hashes = _keys.prefix_hashes(toks)
         ids = {e.id for e in chain}
         out: Dict[str, Tuple[EntryInfo, np.ndarray]] = {}
         parents = [k for k in self._answers if k[0] == info.model and k[1] < len(hashes) and int(hashes[k[1]]) == k[2]]
+        todo: List[np.ndarray] = []  # tokens of diverged answers, whose own answers diverged too
         for k in parents:
-            for child, toks in self._answers.pop(k):
-                if child.id not in ids and child.id != info.id:  # in the chain, the keep rule governs it
-                    out[child.id] = (child, toks)
+            kept = []
+            for child, ctoks in self._answers.pop(k):
+                if child.id in ids or child.id == info.id or not np.array_equal(ctoks[: k[1]], toks[: k[1]]):
+                    kept.append((child, ctoks))  # in the chain (the keep rule governs it), or another parent's under one hash
+                else:
+                    out[child.id] = (child, ctoks)
+                    todo.append(ctoks)
+            if kept:
+                self._answers[k] = kept
+        while todo:
+            ptoks = todo.pop()
+            k = (info.model, len(ptoks), int(_keys.prefix_hashes(ptoks.astype(np.uint32))[len(ptoks)]))
+            for child, ctoks in self._answers.pop(k, []):
+                if child.id not in ids and child.id != info.id and child.id not in out:
+                    out[child.id] = (child, ctoks)
+                    todo.append(ctoks)
         meta = info.meta if isinstance(info.meta, dict) else {}
         if governed(info) and meta.get("cache_type") == "assistant":
             below = [e.n_tokens for e in chain if e.n_tokens < info.n_tokens and governed(e)]
