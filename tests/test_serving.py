@@ -412,3 +412,73 @@ def test_insert_during_an_open_verify_round_is_refused_not_held(tmp_path, caplog
         assert got is None and rest == prompt + [55]
     finally:
         pc.close()
+
+
+def test_the_memory_tier_trims_through_the_codecs_as_the_store_does(store_path, llama):
+    """It trimmed with mlx-lm's trim_prompt_cache: a ConcatenateKVCache kept
+    every position with a lower offset (the next token then attended to the
+    dropped ones), and a chunked window past its first chunk was "trimmed"
+    below its start, claiming tokens it no longer held (a serving reviewer's
+    findings). Both now serve what the store serves."""
+    from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache
+
+    model, _, _, path = llama
+    toks = sample_tokens(30, seed=12)
+    cache = [ConcatenateKVCache() for _ in model.layers]
+    model(mx.array(toks)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    query = toks[:10] + [400, 401]
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), toks, cache)
+        pc.flush()
+        mem, rest = pc.fetch_nearest_cache(key(path), query)
+        assert rest == [400, 401] and mem[0].keys.shape[2] == mem[0].offset == 10
+    with PersistentPromptCache(store_path) as pc:
+        stored, rest = pc.fetch_nearest_cache(key(path), query)
+        assert rest == [400, 401] and same(mem, stored)
+
+    chunked = [ChunkedKVCache(16) for _ in model.layers]
+    for t in toks:  # llama4 moves the window before each forward
+        for c in chunked:
+            c.maybe_trim_front()
+        model(mx.array([[t]]), cache=chunked)
+    mx.eval([c.state[:2] for c in chunked])
+    assert chunked[0].start_position > 10
+    with PersistentPromptCache(store_path.parent / "chunked", persist=False) as pc:
+        pc.insert_cache(key(path), toks, chunked)
+        assert pc.fetch_nearest_cache(key(path), query) == (None, query)  # it holds none of the first 10 any more
+
+
+def test_memory_counts_the_buffers_its_views_keep_alive(store_path, llama):
+    """mlx-lm's KVCache grows 256 positions at a time; a view of 10 of them
+    keeps the whole buffer alive. Only the 10 were counted: under a 1 MiB
+    budget it held 26 MB (a serving reviewer's finding)."""
+    model, _, _, path = llama
+    cache = make_prompt_cache(model)
+    model(mx.array(sample_tokens(10, seed=3))[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    assert cache[0].keys.shape[2] == 256
+    buffers = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    with PersistentPromptCache(store_path, persist=False) as pc:
+        pc.insert_cache(key(path), sample_tokens(10, seed=3), cache)
+        assert pc.nbytes == buffers and pc.stats_by_type()["assistant"]["n_bytes"] == buffers
+
+
+def test_a_layer_without_a_codec_is_held_as_a_snapshot(store_path, llama):
+    """Such layers (a model's own cache class) were held as the caller's own
+    objects: generating on after a checkpoint insert grew the held entry, and
+    a fetch claimed 19 tokens with layers covering 24 (a serving reviewer's finding)."""
+    from mlx_lm.models.cache import KVCache
+
+    class ModelKV(KVCache):  # no codec is registered for it
+        pass
+
+    model, _, _, path = llama
+    prompt = sample_tokens(20, seed=5)
+    cache = [ModelKV() for _ in model.layers]
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    with PersistentPromptCache(store_path) as pc:
+        pc.insert_cache(key(path), prompt[:-1], cache, cache_type="user")
+        model(mx.array(prompt[-1:] + [7, 8, 9, 10])[None], cache=cache)  # the loop goes on
+        got, rest = pc.fetch_nearest_cache(key(path), prompt[:-1] + [42])
+        assert rest == [42] and [c.offset for c in got] == [19] * len(got)

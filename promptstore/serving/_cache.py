@@ -53,6 +53,7 @@ no error of the cache ever reaches the serving loop.
 from __future__ import annotations
 
 import atexit
+import copy
 import hashlib
 import logging
 import os
@@ -62,11 +63,11 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from promptstore.codecs import codec_for_layer
+from promptstore.codecs import codec_for_layer, trim_cache
 from promptstore.ssm import SSMCache, is_gated_delta_model_dir, to_ssm
 from promptstore.store import _keys
 from promptstore.serving._history import DEFAULT_CHECKPOINTS, SOURCE, History, checkpoint_limit
-from promptstore.serving._memory import MemEntry, MemoryTier, checkout, view
+from promptstore.serving._memory import MemEntry, MemoryTier, checkout, held_bytes, view
 from promptstore.serving._writer import Job, Writer
 from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError, RoundError
 from promptstore.identity import fingerprint, legacy_fingerprint
@@ -278,7 +279,8 @@ class PersistentPromptCache:
             # Evicted from memory while its write waits: it is still here, and not yet in the store.
             job, m = queued
             ctype = job.meta.get("cache_type")
-            entry = MemEntry(mkey, job.tokens, job.cache, job.nbytes, ctype if ctype in CACHE_TYPES else "assistant", job.trimmable, True)
+            entry = MemEntry(mkey, job.tokens, job.cache, job.nbytes, ctype if ctype in CACHE_TYPES else "assistant",
+                             job.trimmable, True, job.floor)
             self._memory.add(entry)
             found = entry, m
         src, n = self._best_stored(model, ident, q) if ident is not None and m < len(q) and not self._closed else (None, 0)
@@ -286,10 +288,10 @@ class PersistentPromptCache:
             hit = self.store.lookup(src, q)
             if hit is not None and hit.matched > m:
                 cache = self._to_ssm(model, hit.cache, hit.matched)
-                layers, nbytes, trimmable = view(cache, hit.matched)
+                layers, nbytes, trimmable, floor = view(cache, hit.matched)
                 ctype = hit.info.meta.get("cache_type") if isinstance(hit.info.meta, dict) else None
                 entry = MemEntry(mkey, q[: hit.matched].copy(), layers, nbytes,
-                                 ctype if ctype in CACHE_TYPES else "assistant", trimmable, True)
+                                 ctype if ctype in CACHE_TYPES else "assistant", trimmable, True, floor)
                 self._memory.add(entry)
                 if src == ident:  # an entry under an older identity is not one under this one
                     self._remember(ident, entry.tokens)
@@ -298,7 +300,7 @@ class PersistentPromptCache:
                         and hit.matched == hit.info.n_tokens):
                     # An ``arrays`` entry written before: rewritten as ``ssm.gated_delta``.
                     meta = dict(hit.info.meta) if isinstance(hit.info.meta, dict) else {}
-                    self._writer.submit(Job(ident, entry.tokens, layers, nbytes, meta, replace=True, trimmable=trimmable))
+                    self._writer.submit(Job(ident, entry.tokens, layers, nbytes, meta, replace=True, trimmable=trimmable, floor=floor))
                 return self._hand_out(checkout(layers, True)), toks[hit.matched:]
         if found is None:
             self._count("misses")
@@ -311,9 +313,12 @@ class PersistentPromptCache:
                 log.debug("promptstore: a use not recorded: %s", err)
         cache = checkout(entry.cache, entry.viewable)
         if c < len(entry.tokens):
-            from mlx_lm.models.cache import trim_prompt_cache
+            if entry.viewable:  # through the codecs, as a stored entry is trimmed (a concatenated KV drops its rows)
+                trim_cache(cache, len(entry.tokens) - c)
+            else:
+                from mlx_lm.models.cache import trim_prompt_cache
 
-            trim_prompt_cache(cache, len(entry.tokens) - c)
+                trim_prompt_cache(cache, len(entry.tokens) - c)
         self._count("memory_hits")
         return self._hand_out(cache), toks[c:]
 
@@ -339,7 +344,7 @@ class PersistentPromptCache:
         mkey = ident if ident is not None else ("memory-only", model)
         prompt_cache = self._to_ssm(model, prompt_cache, len(toks))
         try:
-            layers, nbytes, trimmable = view(prompt_cache, len(toks))
+            layers, nbytes, trimmable, floor = view(prompt_cache, len(toks))
             viewable = True
         except (CoverageMismatch, RoundError):
             # A layer in an open verify round: its state is about to be rolled
@@ -349,16 +354,17 @@ class PersistentPromptCache:
             from mlx_lm.models.cache import can_trim_prompt_cache
 
             log.info("promptstore: holding a cache in memory only: %s", err)
-            layers, viewable = list(prompt_cache), False
-            nbytes = sum(int(getattr(c, "nbytes", 0)) for c in layers)
+            # A snapshot: the caller goes on writing into its own layers (the serial path inserts prompt[:-1], then generates).
+            layers, viewable, floor = copy.deepcopy(list(prompt_cache)), False, 0
+            nbytes = held_bytes(layers)
             trimmable = can_trim_prompt_cache(layers)
-        self._memory.add(MemEntry(mkey, toks, layers, nbytes, cache_type, trimmable, viewable))
+        self._memory.add(MemEntry(mkey, toks, layers, nbytes, cache_type, trimmable, viewable, floor))
         if ident is None or not viewable or not self.persist or self._closed:
             return
         if not self._remember(ident, toks) and self._stored(ident, toks):
             return  # written before and still stored (one evicted since is written again)
         meta = {"source": SOURCE, "cache_type": cache_type}
-        self._writer.submit(Job(ident, toks, layers, nbytes, meta, trimmable=trimmable))
+        self._writer.submit(Job(ident, toks, layers, nbytes, meta, trimmable=trimmable, floor=floor))
 
     # -- persistence -------------------------------------------------------------
 

@@ -15,17 +15,18 @@ import copy
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Set, Tuple
 
+import mlx.core as mx
 import numpy as np
 
-from promptstore.codecs import decode_layer, detached, encode_layer, layer_coverage
+from promptstore.codecs import decode_layer, detached, encode_layer, is_trimmable, layer_coverage, trim_floor
 from promptstore.errors import CoverageMismatch
 
 __all__ = ["view", "MemoryTier", "MemEntry", "usable"]
 
 
-def view(cache: List[Any], n_tokens: Optional[int] = None) -> Tuple[List[Any], int, bool]:
+def view(cache: List[Any], n_tokens: Optional[int] = None) -> Tuple[List[Any], int, bool, int]:
     """Fresh layer objects over the same evaluated arrays; no array data is copied.
 
     Args:
@@ -34,8 +35,12 @@ def view(cache: List[Any], n_tokens: Optional[int] = None) -> Tuple[List[Any], i
             exactly this many tokens.
 
     Returns:
-        ``(layers, nbytes, trimmable)``: the view, the bytes its arrays hold
-        and whether every layer can be trimmed.
+        ``(layers, nbytes, trimmable, floor)``: the view; the bytes it keeps
+        alive (a view of a KV buffer that mlx-lm grows 256 positions at a
+        time keeps the whole buffer, not only the positions it covers);
+        whether every layer can be trimmed (``codecs.is_trimmable``); and the
+        fewest tokens it can be trimmed to (``codecs.trim_floor``: a chunked
+        window past its first chunk no longer holds its first tokens).
 
     Raises:
         UnknownStorageKind: a layer's class has no codec.
@@ -49,9 +54,30 @@ def view(cache: List[Any], n_tokens: Optional[int] = None) -> Tuple[List[Any], i
             cov = layer_coverage(layer)
             if cov is not None and cov != n_tokens:
                 raise CoverageMismatch(f"layer {i} covers {cov} tokens, but the cache was inserted for {n_tokens} tokens")
-    nbytes = sum(int(a.nbytes) for enc in encoded for a in enc.arrays.values())
-    trimmable = all(getattr(layer, "is_trimmable", lambda: False)() for layer in layers)
-    return layers, nbytes, trimmable
+    nbytes = max(sum(int(a.nbytes) for enc in encoded for a in enc.arrays.values()), held_bytes(cache))
+    return layers, nbytes, is_trimmable(layers), trim_floor((enc.kind, enc.meta) for enc in encoded)
+
+
+def held_bytes(cache: Any) -> int:
+    """The bytes of every distinct mlx array ``cache``'s layer objects hold
+    (their attributes, through lists, tuples, dicts and inner layers)."""
+    seen: Set[int] = set()
+    total = 0
+    todo: List[Any] = list(cache)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, mx.array):
+            if id(x) not in seen:
+                seen.add(id(x))
+                total += int(x.nbytes)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif hasattr(x, "__dict__") and id(x) not in seen:
+            seen.add(id(x))
+            todo.extend(vars(x).values())
+    return total
 
 
 def checkout(cache: List[Any], viewable: bool) -> List[Any]:
@@ -62,17 +88,18 @@ def checkout(cache: List[Any], viewable: bool) -> List[Any]:
     return copy.deepcopy(cache)
 
 
-def usable(tokens: np.ndarray, trimmable: bool, query: np.ndarray) -> Optional[Tuple[int, int]]:
+def usable(tokens: np.ndarray, trimmable: bool, query: np.ndarray, floor: int = 0) -> Optional[Tuple[int, int]]:
     """How a held cache of ``tokens`` serves ``query``: ``(matched, 1)`` when
     its tokens are a prefix of the query, ``(matched, 0)`` when it is
-    trimmable and shares ``matched > 0`` tokens with it, else None. The
-    pairs order the candidates: more tokens first, then no trim."""
+    trimmable and shares ``matched > 0`` tokens with it, at least its trim
+    ``floor``, else None. The pairs order the candidates: more tokens
+    first, then no trim."""
     m = min(len(tokens), len(query))
     same = tokens[:m] == query[:m]
     c = m if same.all() else int(np.argmin(same))
     if c == len(tokens):
         return c, 1
-    if trimmable and c > 0:
+    if trimmable and c > 0 and c >= floor:
         return c, 0
     return None
 
@@ -88,6 +115,7 @@ class MemEntry:
     cache_type: str
     trimmable: bool
     viewable: bool  # layers have codecs: checkout is a zero-copy view
+    floor: int = 0  # the fewest tokens it can be trimmed to
 
 
 class MemoryTier:
@@ -137,7 +165,7 @@ class MemoryTier:
             for key, e in self._entries.items():
                 if key[0] != model:
                     continue
-                r = usable(e.tokens, e.trimmable, query)
+                r = usable(e.tokens, e.trimmable, query, e.floor)
                 if r is not None and r > rank:
                     found, rank = (e, r[0]), r
             if found is not None:

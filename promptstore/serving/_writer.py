@@ -40,6 +40,7 @@ class Job:
     meta: Dict[str, Any]
     replace: bool = False  # rewrite a stored entry (an older representation) instead of skipping it
     trimmable: bool = False  # every layer can drop its last tokens (a longer cache serves its prefixes)
+    floor: int = 0  # the fewest tokens it can be trimmed to
 
 
 class Writer:
@@ -116,7 +117,7 @@ class Writer:
         for job in jobs:
             if job.model != model:
                 continue
-            r = usable(job.tokens, job.trimmable, query)
+            r = usable(job.tokens, job.trimmable, query, job.floor)
             if r is not None and r > rank:
                 found, rank = (job, r[0]), r
         return found
