@@ -482,3 +482,30 @@ def test_a_layer_without_a_codec_is_held_as_a_snapshot(store_path, llama):
         model(mx.array(prompt[-1:] + [7, 8, 9, 10])[None], cache=cache)  # the loop goes on
         got, rest = pc.fetch_nearest_cache(key(path), prompt[:-1] + [42])
         assert rest == [42] and [c.offset for c in got] == [19] * len(got)
+
+
+def test_close_with_a_timeout_returns_in_time_and_never_raises(store_path, llama):
+    """With the writer waiting for the LMDB write lock (another process holds
+    it), close(timeout=1.0) took 62 s and then raised StoreUnavailable from
+    the owned store's close (a serving reviewer's finding)."""
+    model, _, fp, path = llama
+    toks = sample_tokens(20, seed=1)
+    cache, _ = prefill(model, toks)
+    pc = PersistentPromptCache(store_path)
+    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(store_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        pc.insert_cache(key(path), toks, cache)
+        t0 = time.perf_counter()
+        pc.close(timeout=1.0)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        locker.stdin.write("\n")
+        locker.stdin.flush()
+        locker.wait(10)
+    for _ in range(100):  # the writer's commit goes through once the lock is free; the store then closes
+        if pc.store._env is None or pc.store._env.closed:
+            break
+        time.sleep(0.1)
+    with PromptStore(store_path) as s:
+        assert [i.n_tokens for i in s.entries()] == [20]

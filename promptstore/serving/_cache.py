@@ -58,6 +58,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
@@ -383,15 +384,25 @@ class PersistentPromptCache:
         return self._writer.pending
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Commit pending writes, stop the writer, close an owned store. Idempotent."""
+        """Commit pending writes, stop the writer, close an owned store.
+        Idempotent; never raises. With ``timeout``, returns within about
+        that many seconds: writes still pending then are logged, and an
+        owned store whose writer is still busy closes when its write ends."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._writer.close(timeout):
             log.warning("promptstore: %d prompt-cache writes were still pending at close", self._writer.pending)
         if self._owns_store:
-            self.store.close()
+            try:
+                if deadline is None:
+                    self.store.close()
+                else:
+                    self.store.close(max(0.0, deadline - time.monotonic()))
+            except PromptStoreError as err:
+                log.warning("promptstore: the store did not close now: %s", err)
 
     def __enter__(self) -> "PersistentPromptCache":
         return self
