@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from promptstore import PromptStore
@@ -137,3 +138,18 @@ def test_set_budget_and_a_gc_plan_see_this_processs_recent_uses(tmp_path):
         s.touch(MODEL, toks(0))  # then a again
         assert s.set_budget(a.nbytes + 10_000).evicted == (b.id,)
         assert [e.id for e in s.entries()] == [a.id]
+
+
+def test_a_refused_set_budget_keeps_the_uses_recorded_before_it(tmp_path):
+    """set_budget wrote the recorded uses in the transaction its StoreFull
+    then aborted: the hit recorded before it was lost (a reviewer's finding)."""
+    from promptstore import StoreFull
+
+    with PromptStore(tmp_path / "s") as s:
+        a = s.put(MODEL, toks(0), kv(300, 0))
+        s.put(MODEL, toks(1), kv(300, 1))
+        s.pin(a.id)
+        assert s.lookup(MODEL, toks(1)) is not None
+        with pytest.raises(StoreFull):
+            s.set_budget(10)
+        assert s.counters()["hits"] == 1

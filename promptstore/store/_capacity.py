@@ -11,8 +11,6 @@ the planned entries that are still there, and no others.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from pathlib import Path
 from typing import List, Optional, Sequence, Set, Tuple
 
@@ -23,7 +21,7 @@ from promptstore.store._catalog import Catalog, is_entry_id
 from promptstore.store._env import Env
 from promptstore.store._results import EntryInfo, GcReport, utc
 from promptstore.store._schema import Tables
-from promptstore.store._usage import Usage
+from promptstore.store._usage import Usage, try_flush
 from promptstore.store._verify import Maintenance
 from promptstore.store._write import EntryWriter
 
@@ -56,7 +54,6 @@ class Capacity:
         _check_plan(plan)
 
         def write(txn) -> GcReport:
-            self._usage.flush_in(txn)  # this process's recent uses count in the eviction order
             if budget is not None:
                 pinned = _budget.pinned_bytes(txn, self._db)
                 if pinned > budget:
@@ -64,6 +61,7 @@ class Capacity:
                         f"{self.path}: pinned entries take {pinned} bytes, more than the budget of {budget}; "
                         "unpin some (`PromptStore.unpin`) or choose a larger budget"
                     )
+            self._usage.flush_in(txn)  # this process's recent uses count in the eviction order
             _budget.set_budget(txn, self._db, budget)
             return self._evict(txn, budget, plan)
 
@@ -74,8 +72,8 @@ class Capacity:
         budget = _budget.check_budget(budget)
         _check_plan(plan)
         if dry_run:
-            if self._usage.pending() and not self._env.readonly:
-                self._env.write(self._usage.flush_in)  # this process's recent uses count in the plan, as in gc's own
+            if self._usage.pending() and not self._env.readonly:  # this process's recent uses count in the plan, as in gc's own
+                try_flush(lambda: self._env.write(self._usage.flush_in), "before a gc plan failed (the plan may not see them)")
             with self._env.read() as txn:
                 target = budget if budget is not None else _budget.get_budget(txn, self._db)
                 return self._plan(txn, target)
@@ -85,14 +83,9 @@ class Capacity:
             _budget.recount(txn, self._db)
             target = budget if budget is not None else _budget.get_budget(txn, self._db)
             report = self._evict(txn, target, plan)
-            # An evicted entry whose manifest was damaged could not release its
-            # blocks: counted once more, they are freed here when no other
-            # manifest names them (none is freed while one cannot be read).
-            self._maintenance.recount_blocks(txn)
-            _budget.recount(txn, self._db)
             self._writer.repack(txn, [])
             self._maintenance.sweep_blobs(txn)
-            return replace(report, usage=_budget.usage(txn, self._db))
+            return report
 
         return self._env.write(write)
 
@@ -135,9 +128,17 @@ class Capacity:
             return GcReport((), 0, _budget.usage(txn, self._db), None, False)
         else:
             victims, _ = _budget.plan(txn, self._db, budget, set(), self._writer.freed_by(txn))
+        damaged = False
         for k, _ in victims:
+            damaged = damaged or self._writer.readable(txn, k) is None
             self._writer.unlink(txn, k, txn.get(k, db=self._db.entries))
         self._usage.forget(k for k, _ in victims)
+        if damaged:
+            # An entry whose manifest was damaged cannot release its blocks as
+            # it goes: they are freed here when no other manifest names them
+            # (none while one cannot be read), and the usage recounted.
+            self._maintenance.recount_blocks(txn)
+            _budget.recount(txn, self._db)
         return GcReport(
             tuple(_keys.entry_id(k) for k, _ in victims),
             sum(s for _, s in victims),
