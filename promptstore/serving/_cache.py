@@ -395,14 +395,23 @@ class PersistentPromptCache:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._writer.close(timeout):
             log.warning("promptstore: %d prompt-cache writes were still pending at close", self._writer.pending)
-        if self._owns_store:
-            try:
-                if deadline is None:
-                    self.store.close()
-                else:
-                    self.store.close(max(0.0, deadline - time.monotonic()))
+        if not self._owns_store:
+            return
+
+        def close_store() -> None:
+            try:  # publishes what the remote tier queued, records last uses (LMDB's write lock has no timeout)
+                self.store.close()
             except PromptStoreError as err:
                 log.warning("promptstore: the store did not close now: %s", err)
+
+        if deadline is None:
+            close_store()
+            return
+        closing = threading.Thread(target=close_store, name="promptstore-close", daemon=True)
+        closing.start()
+        closing.join(max(0.0, deadline - time.monotonic()))
+        if closing.is_alive():
+            log.warning("promptstore: the store is still closing after %.1f s; it closes in the background", timeout)
 
     def __enter__(self) -> "PersistentPromptCache":
         return self

@@ -196,10 +196,12 @@ class Writer:
         return True
 
     def close(self, timeout: Optional[float] = None) -> bool:
-        """Write what is pending, then stop the thread. False when it timed out."""
+        """Write what is pending, then stop the thread, within ``timeout``
+        seconds in all. False when it timed out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         done = self.flush(timeout)
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return done and not self._thread.is_alive()
