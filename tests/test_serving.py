@@ -518,3 +518,25 @@ def test_close_with_a_timeout_returns_in_time_and_never_raises(store_path, llama
             time.sleep(0.1)
         with PromptStore(where) as s:
             assert sorted(i.n_tokens for i in s.entries()) == ([12, 20] if pending_write else [12])
+
+
+def test_a_trimmable_insert_keeps_the_held_prefixes_below_its_floor(store_path, llama):
+    """A chunked window past its start cannot be trimmed to a 12-token
+    prefix, yet inserting it dropped the held 12-token checkpoint, as any
+    trimmable cache drops its prefixes: the next fetch missed (a reviewer's finding)."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    model, _, _, path = llama
+    toks = sample_tokens(30, seed=12)
+    chunked = [ChunkedKVCache(16) for _ in model.layers]
+    with PersistentPromptCache(store_path, persist=False) as pc:
+        for i, t in enumerate(toks):
+            for c in chunked:
+                c.maybe_trim_front()
+            model(mx.array([[t]]), cache=chunked)
+            mx.eval([c.state[:2] for c in chunked])
+            if i == 11:
+                pc.insert_cache(key(path), toks[:12], chunked)
+        assert chunked[0].start_position > 12
+        pc.insert_cache(key(path), toks, chunked)
+        assert len(pc) == 2 and pc.fetch_nearest_cache(key(path), toks[:12] + [500])[1] == [500]

@@ -415,3 +415,36 @@ def test_an_answers_parent_is_matched_by_its_tokens_not_its_hash_alone(store_pat
         pc.insert_cache(key(path), b + [20], other, cache_type="user")
         pc.flush()
         assert stored(store) == [(1024, "user"), (1025, "user"), (1027, "assistant")] and pc.stats()["pruned"] == 0
+
+
+def test_answers_after_a_diverged_answer_are_matched_by_tokens_too():
+    """The pass that prunes the answers written after a diverged answer
+    matched their parent by hash alone: another conversation's answer under
+    a colliding hash went with them (a reviewer's finding)."""
+    from datetime import datetime, timezone
+
+    from promptstore.serving._history import SOURCE, History
+    from promptstore.store import EntryInfo
+
+    bits = [bin(i).count("1") & 1 for i in range(1024)]
+    a, b = [7 if x == 0 else 9 for x in bits], [9 if x == 0 else 7 for x in bits]
+    now = datetime.now(timezone.utc)
+
+    def info(name, toks, ctype):
+        return EntryInfo(id=name, model="m@x", model_name="m", n_tokens=len(toks), kinds=("ssm.gated_delta",), nbytes=1,
+                         created=now, last_used=now, trimmable=False, meta={"source": SOURCE, "cache_type": ctype})
+
+    history = History(store=None, keep=4)
+
+    def write(entry, toks, chain):
+        return history._diverged(chain + [entry], entry, np.array(toks))
+
+    pa, a1, a2 = info("PA", a[:512], "user"), info("A1", a, "assistant"), info("A2", a + [11], "assistant")
+    pb, b1, b2 = info("PB", b[:512], "user"), info("B1", b, "assistant"), info("B2", b + [12], "assistant")
+    write(pa, a[:512], [])
+    write(a1, a, [pa])
+    write(a2, a + [11], [pa, a1])
+    write(pb, b[:512], [])
+    write(b1, b, [pb])
+    write(b2, b + [12], [pb, b1])
+    assert sorted(write(info("U2", a[:512] + [99], "user"), a[:512] + [99], [pa])) == ["A1", "A2"]

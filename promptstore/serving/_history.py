@@ -147,10 +147,15 @@ class History:
         while todo:
             ptoks = todo.pop()
             k = (info.model, len(ptoks), int(_keys.prefix_hashes(ptoks.astype(np.uint32))[len(ptoks)]))
+            kept = []
             for child, ctoks in self._answers.pop(k, []):
-                if child.id not in ids and child.id != info.id and child.id not in out:
+                if child.id in ids or child.id == info.id or not np.array_equal(ctoks[: len(ptoks)], ptoks):
+                    kept.append((child, ctoks))
+                elif child.id not in out:
                     out[child.id] = (child, ctoks)
                     todo.append(ctoks)
+            if kept:
+                self._answers[k] = kept
         meta = info.meta if isinstance(info.meta, dict) else {}
         if governed(info) and meta.get("cache_type") == "assistant":
             below = [e.n_tokens for e in chain if e.n_tokens < info.n_tokens and governed(e)]

@@ -179,10 +179,11 @@ class MemoryTier:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._nbytes -= old.nbytes
-            if entry.trimmable:
+            if entry.trimmable:  # the prefixes it can be trimmed to (no shorter than its floor) go
                 n = len(entry.tokens)
                 for k in [k for k, e in self._entries.items()
-                          if k[0] == entry.model and len(e.tokens) < n and np.array_equal(e.tokens, entry.tokens[: len(e.tokens)])]:
+                          if k[0] == entry.model and entry.floor <= len(e.tokens) < n
+                          and np.array_equal(e.tokens, entry.tokens[: len(e.tokens)])]:
                     self._nbytes -= self._entries.pop(k).nbytes
             self._entries[key] = entry
             self._nbytes += entry.nbytes
