@@ -96,8 +96,10 @@ class Gate:
     def _finish(self) -> None:
         """Close the files (under the lock, nothing in flight)."""
         if self._state != _CLOSED:
-            self._state = _CLOSED
-            self._close_files()
+            try:
+                self._close_files()
+            finally:  # after the files: ``closed`` says they are closed (another thread may then open the folder)
+                self._state = _CLOSED
 
     def close(self, timeout: float = CLOSE_TIMEOUT, last: Optional[Callable[[], None]] = None) -> None:
         """Close the store, safely while other threads use it.
