@@ -207,6 +207,7 @@ class Release:
         self._blocks = blocks
         self._of: Dict[bytes, Sequence[bytes]] = {}
         self._dropped: Dict[bytes, int] = {}
+        self.held = False  # an entry planned left a block held (by an entry planned later, or one kept)
 
     def _refs(self, ekey: bytes) -> Sequence[bytes]:
         if ekey not in self._of:
@@ -220,6 +221,8 @@ class Release:
             ref = self._txn.get(key, db=self._db.refs)
             if ref_count(ref) == self._dropped[key]:
                 total += ref_size(ref)
+            else:
+                self.held = True
         return total
 
     def loss(self, ekey: bytes) -> int:
@@ -266,7 +269,7 @@ def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Union[None, Free
         gain = freed(k) if freed is not None else size_of(txn, db, k)
         victims.append((k, gain))
         now -= gain
-    if isinstance(freed, Release) and len(victims) > 1 and now <= budget:
+    if isinstance(freed, Release) and freed.held and len(victims) > 1 and now <= budget:
         # An entry whose blocks a later victim still held freed little when it
         # was planned (its own size); once that later victim goes, it may not
         # be needed at all: keep back every victim, the most recently used
@@ -274,6 +277,8 @@ def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Union[None, Free
         room = budget - now
         kept: Set[bytes] = set()
         for k, _ in reversed(victims):
+            if size_of(txn, db, k) > room:
+                continue  # its own bytes alone do not fit back
             loss = freed.loss(k)
             if loss <= room:
                 freed.spare(k)
