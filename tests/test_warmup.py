@@ -445,3 +445,23 @@ def test_rows_put_again_after_a_failed_batch_do_not_count_their_checkpoints_twic
         entries = list(st.entries())
         assert (s.stored, s.failed) == (2, 1) and s.checkpoints > 0
         assert len(entries) == s.stored + s.checkpoints and s.bytes == st.usage()
+
+
+@pytest.mark.parametrize("block_tokens", [16, 64, 512])
+def test_the_manifest_bound_holds_at_every_block_size(tmp_path, block_tokens):
+    """It assumed blocks of 128 tokens: with 16-token blocks a manifest took
+    1.4x the bound, and the job's check could pass where the put evicted
+    (a reviewer's finding). It takes the shortest block now."""
+    from promptstore.bench import _data as data
+    from promptstore.format import _entry
+
+    grower = data.Grower(data.DENSE, 1)
+    cache = grower.empty()
+    grower.extend(cache, 4096)
+    with PromptStore(tmp_path / "s", block_tokens=block_tokens) as st:
+        meta = {"warmup": "p1"}
+        st.put("m@0123456789abcdef", list(range(4096)), cache, meta=meta)
+        with st.env.read() as txn:
+            (raw,) = [bytes(v) for _, v in txn.cursor(db=st._db.entries)]
+        arrays = sum(len(encode_layer(layer).arrays) for layer in cache)
+        assert len(raw) <= _entry.manifest_bound(4096, arrays, meta, block_tokens)

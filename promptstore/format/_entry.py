@@ -225,15 +225,15 @@ def pack_manifest(
     return raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
 
 
-def manifest_bound(n_tokens: int, n_arrays: int, meta: Dict[str, Any]) -> int:
+def manifest_bound(n_tokens: int, n_arrays: int, meta: Dict[str, Any], cut: int) -> int:
     """About the most bytes :func:`pack_manifest` writes for an entry of
-    ``n_tokens`` tokens, ``n_arrays`` arrays and ``meta`` (checked), for a
-    caller that must stay under a byte budget before it puts: 4 bytes a
-    token, 48 a block reference (blocks of 128 tokens on average, a quarter
-    of the default: a conversation's turns cut blocks short) and 512 an array
-    record (names, dtype, shape, checksum, its layer's meta), 4 KiB for the
-    rest. Measured manifests take well under it (docs/performance.md)."""
-    refs = n_tokens // 128 + 2
+    ``n_tokens`` tokens, ``n_arrays`` arrays and ``meta`` (checked) whose
+    blocks are ``cut`` tokens long or more (the store's block size, or the
+    caller's checkpoint spacing when smaller: each checkpoint ends a block),
+    for a caller that must stay under a byte budget before it puts: 4 bytes
+    a token, 48 a block reference (measured: 16 to 27), 512 an array record
+    (names, dtype, shape, checksum, its layer's meta), 4 KiB for the rest."""
+    refs = n_tokens // max(1, cut) + 2
     return 4 * n_tokens + n_arrays * (48 * refs + 512) + 4096 + len(msgpack.packb(meta, use_bin_type=True))
 
 

@@ -43,6 +43,7 @@ from promptstore.codecs import codec_for_layer, encode_layer
 from promptstore.jobs.checkpoints import message_boundaries, needs_checkpoints
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.format import _entry
+from promptstore.format._blocks import BLOCK_TOKENS
 from promptstore.identity import fingerprint
 from promptstore.jobs.prefill import (
     PREFILL_STEP, CacheOptions, encode_prompt, eval_cache, id_error, load_model, make_cache, quantizer, vocab_size,
@@ -173,6 +174,7 @@ class _Job:
         self.checkpoints = 0
         self.start = time.perf_counter()
         self.budget = getattr(store, "budget", None)
+        self.cut = BLOCK_TOKENS  # the shortest block its entries' manifests name (set by the job)
 
     def _tick(self, tokens: int = 0, prompts: int = 0) -> None:
         self.tokens += tokens
@@ -188,7 +190,7 @@ class _Job:
             # The entry's array bytes (lazy slices: nothing is copied to count
             # them) and its manifest's, as the store's budget counts them.
             arrays = [a for e in map(encode_layer, cache) for a in e.arrays.values()]
-            need = sum(a.nbytes for a in arrays) + _entry.manifest_bound(len(tokens), len(arrays), meta)
+            need = sum(a.nbytes for a in arrays) + _entry.manifest_bound(len(tokens), len(arrays), meta, self.cut)
             if self.bytes + need > budget:
                 raise _BudgetReached(self.bytes, need, budget)
         info = self.store.put(self.model_id, tokens, cache, meta=meta)
@@ -415,6 +417,8 @@ def warmup(
             else "this model's cache types cannot be batched here; prefilled one prompt at a time"
         )
     job = _Job(store, model, model_id, batch_size, options, progress, len(plans))
+    # Blocks end at the store's block size and at every checkpoint: the shortest a manifest may name.
+    job.cut = min(getattr(store, "block_tokens", BLOCK_TOKENS), checkpoint_every or BLOCK_TOKENS)
     stopped = None
     size = batch_size if batched else 1
     groups = [plans[i : i + size] for i in range(0, len(plans), size)]

@@ -168,6 +168,8 @@ class PromptStore:
             raise closed_error(self.path)
         return self._env
 
+    block_tokens = property(lambda self: self._writer.block_tokens, doc="The most tokens one new shared block spans.")
+
     @property
     def remote(self) -> Optional[RemoteTier]:
         """The shared tier (its ``stats()``, ``flush()``, ``remote.entries()``), or None."""
