@@ -72,8 +72,8 @@ def gc(obj, budget, dry_run, yes, as_json):
     short = plan is not None and target is not None and plan.usage > target
     if short and not as_json:
         why = ("unpin entries or choose a larger budget" if list(store.pinned()) else
-               "no entry is pinned: blocks of damaged entries still count (gc frees those no entry names "
-               "after it evicts; `promptstore verify` lists the damage)")
+               "no entry is pinned: the blocks of damaged entries, or of a newer release's, still count (gc "
+               "frees those no entry names after it evicts; `promptstore verify` lists them)")
         click.echo(f"the budget cannot be reached: after evicting every unpinned entry the store would hold "
                    f"{format_size(plan.usage)}; {why}", err=True)
     if dry_run:

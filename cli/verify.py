@@ -70,6 +70,6 @@ def verify(obj, fix, as_json):
         elif report.problems:
             click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)
         else:  # counts or leftovers only: every entry is intact
-            click.echo(f"{plural(report.checked)} checked, none damaged; run `promptstore verify --fix` to repair the counts", err=True)
+            click.echo(f"{plural(report.checked)} checked, none damaged; `promptstore verify --fix` repairs what is listed above", err=True)
     if not report.ok:
         sys.exit(1)

@@ -49,9 +49,11 @@ nobody registered, a subclass of a registered one included, is refused with
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from promptstore.codecs import codec_for_layer, encode_layer, layers_of, rows_for_layer
@@ -102,12 +104,21 @@ def row_count(batch_cache: Sequence[Any]) -> int:
 
 
 def _check_row(batch_cache: Sequence[Any], row: Any) -> int:
-    n = row_count(batch_cache)
-    if not isinstance(row, int) or isinstance(row, bool):
-        raise InvalidInput(f"row must be an int, not {type(row).__name__}")
+    """``row`` as an int index of a row of the batch.
+
+    Raises:
+        InvalidInput: not an integer, or out of range.
+    """
+    n, given = row_count(batch_cache), row
+    try:
+        row = operator.index(row) if not isinstance(row, (bool, np.bool_)) else None  # numpy and mlx integers too
+    except TypeError:
+        row = None
+    if row is None:
+        raise InvalidInput(f"row must be an integer index, not {type(given).__name__}")
     if not 0 <= row < n:
         raise InvalidInput(f"row {row} is out of range for a batch of {n} rows (valid: 0..{n - 1})")
-    return n
+    return row
 
 
 def row_coverage(batch_cache: Sequence[Any], row: int) -> List[Optional[int]]:
@@ -119,7 +130,7 @@ def row_coverage(batch_cache: Sequence[Any], row: int) -> List[Optional[int]]:
         CoverageMismatch: the inner caches of a CacheList disagree.
     """
     layers = _layers(batch_cache)
-    _check_row(layers, row)
+    row = _check_row(layers, row)
     return [rows_for_layer(layer, f"layer {li}").coverage(layer, row, f"layer {li}") for li, layer in enumerate(layers)]
 
 
@@ -159,7 +170,7 @@ def extract_row(batch_cache: Sequence[Any], row: int, *, gated: Gated = None) ->
             row reports its coverage, or the layers that do disagree.
     """
     layers = _layers(batch_cache)
-    _check_row(layers, row)
+    row = _check_row(layers, row)
     flags = _flags(gated, len(layers))
     out = [rows_for_layer(layer, f"layer {li}").extract(layer, row, f"layer {li}") for li, layer in enumerate(layers)]
     if any(f and type(layer) is ArraysCache for f, layer in zip(flags, out)):

@@ -569,7 +569,7 @@ def test_cli_verify_with_only_wrong_counts_says_nothing_is_damaged(tmp_path):
         store.env.write(lambda txn: txn.put(USAGE_KEY, U64.pack(7), db=store._db.info))
     res = CliRunner().invoke(main, ["--store", str(tmp_path / "s"), "verify"])
     assert res.exit_code == 1
-    assert "2 entries checked, none damaged; run `promptstore verify --fix` to repair the counts" in res.stderr
+    assert "2 entries checked, none damaged; `promptstore verify --fix` repairs what is listed above" in res.stderr
     assert "remove" not in res.stderr
 
 

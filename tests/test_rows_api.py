@@ -59,7 +59,7 @@ def test_row_out_of_range_is_invalid_input(store):
         with pytest.raises(InvalidInput, match="out of range for a batch of 4 rows"):
             store.put_row(fp, list(batch.tokens[0]), batch.prompt_cache, bad)
     for bad in (True, "0", 1.0):
-        with pytest.raises(InvalidInput, match="row must be an int"):
+        with pytest.raises(InvalidInput, match="row must be an integer index"):
             store.put_row(fp, list(batch.tokens[0]), batch.prompt_cache, bad)
     with pytest.raises(InvalidInput, match="out of range"):
         extract_row(batch.prompt_cache, 4)
@@ -271,8 +271,9 @@ def test_merge_rows_refuses_mismatched_rows():
     wide.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
     with pytest.raises(InvalidInput, match="cannot be merged into one batch: .*same maximum size"):
         merge_rows(None, [[rot], [wide]])  # a new batch: mlx-lm's ValueError escaped untyped
-    with pytest.raises(InvalidInput, match="row must be an int, not int64"):
-        extract_row(batch, np.int64(1))
+    assert row_coverage(extract_row(batch, np.int64(1)), 0) == [5]  # numpy's integers index rows too
+    with pytest.raises(InvalidInput, match="row must be an integer index, not float"):
+        extract_row(batch, 1.0)
     with pytest.raises(InvalidInput, match="has 2 layers, expected 1"):
         merge_rows(batch, [[_kv(3, 1), _kv(3, 2)]])
     with pytest.raises(InvalidInput, match="is a BatchKVCache: pass serial caches"):
