@@ -351,14 +351,19 @@ def _created(doc: dict, where: str) -> float:
     return value
 
 
+def _unpack(raw: bytes) -> Any:
+    """The msgpack document of a manifest, within the limits a manifest keeps to."""
+    return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_TOKENS * 4, max_str_len=1 << 20,
+                           max_array_len=MAX_ARRAYS, max_map_len=1 << 16)
+
+
 def newer_tokens(raw: bytes) -> Optional[Tuple[np.ndarray, bool]]:
     """The token ids and trimmable flag of a manifest this reader refuses
     as newer, read from its map as this format writes them, for the prefix
     index alone (the entry itself is never read): None when they are not
     there in that form. The caller checks the ids against the entry key."""
     try:
-        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_TOKENS * 4, max_str_len=1 << 20,
-                              max_array_len=MAX_ARRAYS, max_map_len=1 << 16)
+        doc = _unpack(raw)
     except Exception:  # msgpack raises many unrelated types on damage
         return None
     tokens = doc.get("tokens") if isinstance(doc, dict) else None
@@ -377,15 +382,7 @@ def unpack_manifest(raw: bytes, where: str) -> Manifest:
     if len(raw) > MAX_MANIFEST:
         raise CorruptEntry(f"{where}: manifest of {len(raw)} bytes is implausibly large")
     try:
-        doc = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=MAX_TOKENS * 4,
-            max_str_len=1 << 20,
-            max_array_len=MAX_ARRAYS,
-            max_map_len=1 << 16,
-        )
+        doc = _unpack(raw)
     except Exception as err:  # msgpack raises many unrelated types on damage
         raise CorruptEntry(f"{where}: manifest does not parse ({type(err).__name__}: {err})") from err
     if not isinstance(doc, dict):
