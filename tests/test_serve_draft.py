@@ -132,6 +132,7 @@ def test_a_draft_round_longer_than_a_sliding_window_is_refused_before_the_answer
         assert 400 <= err.value.code < 500 and "use at most 17 draft tokens" in err.value.read().decode()
         ok = srv.chat(_chat(PROMPTS[0]), max_tokens=8)  # the server's own 2 a round still run
         assert ok["usage"]["completion_tokens"] > 0
+    srv.stop()  # it stayed up after the test (a server process left running)
 
 
 @pytest.mark.shape_dependent  # stored caches are compared with greedy decoding's
