@@ -54,3 +54,39 @@ def test_map_grows_and_other_process_adopts_it(tmp_path):
         assert got.keys.shape == (1, 4, 3000, 256) and bits_equal(got.keys, want).item() and bits_equal(got.values, -want).item()
         store.put("m", [9, 9], _cache(2, 3.0))  # and it can write after the growth
         assert store.env.env.info()["map_size"] >= 24 << 20
+
+
+def test_a_writer_clears_the_reader_slot_of_a_process_killed_inside_a_read(tmp_path, monkeypatch):
+    """reader_check ran only when a store was opened: in a process that had
+    it open already, the slot of a reader SIGKILLed mid-read kept its old
+    snapshot alive, so no freed page was reused and the data file grew with
+    every write (2.1 MB to 23.8 MB in 40 replace cycles; a crash reviewer's
+    finding)."""
+    import os
+    import signal
+
+    from promptstore.store import _env
+
+    monkeypatch.setattr(_env, "READER_CHECK_EVERY", 0.0, raising=False)
+    path = tmp_path / "s"
+    toks = list(range(100))
+    with PromptStore(path, shared_blocks=False) as s:  # 800 kB payloads, kept in LMDB
+        s.put("m@0123456789abcdef", toks, _cache(100, 1.0))
+        holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from promptstore import PromptStore
+            s = PromptStore({str(path)!r})
+            txn = s.env.begin()  # a read transaction, left open
+            txn.get(b"x")
+            print("held", flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        sizes = []
+        for i in range(30):
+            s.put("m@0123456789abcdef", toks, _cache(100, 2.0 + i % 5))  # a replace: its old pages are freed
+            s.delete("m@0123456789abcdef", toks)
+            sizes.append((path / "data.mdb").stat().st_size)
+        assert sizes[-1] <= 2 * sizes[4], sizes

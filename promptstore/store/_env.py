@@ -7,8 +7,9 @@ Facts this module encodes (each reproduced when it was written; tests cover them
   ``set_mapsize(0)``. py-lmdb invalidates every open transaction of an
   environment that is resized, so a thread resizes only once the other
   threads' transactions on it are done (``Env._set_mapsize``).
-* ``reader_check()`` on open clears reader slots of dead processes, whose
-  stale snapshots would otherwise block page reuse forever.
+* ``reader_check()`` on open, and in a writer every ``READER_CHECK_EVERY``
+  seconds, clears reader slots of dead processes, whose stale snapshots would
+  otherwise block page reuse forever.
 * An environment must never cross ``fork()``: every call checks the pid.
 * LMDB's errors become the store's typed errors in :mod:`_faults`.
 
@@ -60,6 +61,7 @@ MAX_MAP_SIZE = 1 << 46
 # fork copies the dict: an entry of another pid is the parent's, open in it).
 _OPENED: Dict[Path, int] = {}
 _READ_SWITCH_WAIT = 10.0  # seconds a read waits for this process's others to leave a compacted generation
+READER_CHECK_EVERY = 30.0  # seconds between a writer's checks for reader slots of dead processes
 
 
 def _signature(path: Path):
@@ -108,6 +110,7 @@ class Env:
         self.db = Tables()
         self._lock = threading.Condition()
         self._pending = threading.local()  # callbacks to run once this thread's write commits
+        self._readers_checked = time.monotonic()  # reader_check() ran at open
         self._token = threading.local()  # a token per thread (ids are reused, tokens are not)
         self._held: Dict[object, int] = {}  # thread token -> its transactions open (counted in a generation's active)
         self._stuck: Optional[Path] = None  # a read gave up waiting to switch there: reads no longer wait
@@ -472,6 +475,15 @@ class Env:
             gen, token = self._follow(force=moved, write=True)
             moved = False
             try:
+                if time.monotonic() - self._readers_checked >= READER_CHECK_EVERY:
+                    # A process killed inside a read leaves its reader slot: its old
+                    # snapshot keeps every page freed since from reuse, and the file
+                    # grows, until some process clears it (opening does too).
+                    self._readers_checked = time.monotonic()
+                    try:
+                        gen.env.reader_check()
+                    except lmdb.Error as err:  # best effort: the write goes on
+                        log.debug("promptstore: reader check failed: %s", err)
                 txn = self._begin(gen, True, False)
                 try:
                     if gen.name != live_dir(self.path)[1]:
