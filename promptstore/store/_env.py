@@ -7,9 +7,8 @@ Facts this module encodes (each reproduced when it was written; tests cover them
   ``set_mapsize(0)``. py-lmdb invalidates every open transaction of an
   environment that is resized, so a thread resizes only once the other
   threads' transactions on it are done (``Env._set_mapsize``).
-* ``reader_check()`` on open, and in a writer every ``READER_CHECK_EVERY``
-  seconds, clears reader slots of dead processes, whose stale snapshots would
-  otherwise block page reuse forever.
+* ``reader_check()``, on open and in a writer every ``READER_CHECK_EVERY`` s, clears the reader
+  slots of dead processes (killed mid-read), whose stale snapshots would block page reuse.
 * An environment must never cross ``fork()``: every call checks the pid.
 * LMDB's errors become the store's typed errors in :mod:`_faults`.
 
@@ -23,8 +22,7 @@ copy. Every write transaction re-reads ``CURRENT`` after it holds the write
 lock and, when it changed, aborts and retries in the new generation; reads
 notice the switch by a ``stat`` of ``CURRENT`` at their start (a read that
 starts just before a switch sees a consistent, slightly older snapshot).
-Old generations' files are unlinked; processes still mapping them keep
-them alive until they move on.
+Old generations' files are unlinked; processes still mapping them keep them alive until they move on.
 
 Closing while other threads work: :mod:`promptstore.store._gate`.
 """
@@ -36,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
@@ -475,15 +473,10 @@ class Env:
             gen, token = self._follow(force=moved, write=True)
             moved = False
             try:
-                if time.monotonic() - self._readers_checked >= READER_CHECK_EVERY:
-                    # A process killed inside a read leaves its reader slot: its old
-                    # snapshot keeps every page freed since from reuse, and the file
-                    # grows, until some process clears it (opening does too).
+                if time.monotonic() - self._readers_checked >= READER_CHECK_EVERY:  # see the module docstring
                     self._readers_checked = time.monotonic()
-                    try:
+                    with suppress(lmdb.Error):  # best effort: the write goes on
                         gen.env.reader_check()
-                    except lmdb.Error as err:  # best effort: the write goes on
-                        log.debug("promptstore: reader check failed: %s", err)
                 txn = self._begin(gen, True, False)
                 try:
                     if gen.name != live_dir(self.path)[1]:
