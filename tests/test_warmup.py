@@ -345,6 +345,21 @@ def test_a_budget_counts_what_the_store_took_so_shared_prefixes_count_once(tmp_p
         assert summary.bytes < sum(e.nbytes for e in entries) / 2  # the shared blocks once
 
 
+class FailsOneRow:
+    """The real store, whose put of exactly ``bad`` tokens fails."""
+
+    def __init__(self, store, bad):
+        self._store, self._bad = store, bad
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def put(self, model_id, tokens, cache, **kw):
+        if list(tokens) == self._bad:
+            raise CorruptEntry("injected: this row's put fails")
+        return self._store.put(model_id, tokens, cache, **kw)
+
+
 def test_one_bad_row_fails_only_its_own_line_in_a_batch(tmp_path):
     """An id over the meta limit (stored as meta["warmup"]) failed the whole
     batch it was prefilled in: "stored 4, failed 5", every line with its
@@ -361,21 +376,9 @@ def test_one_bad_row_fails_only_its_own_line_in_a_batch(tmp_path):
         assert (s.stored, s.failed) == (4, 1) and [e.line for e in s.errors] == [3]
     bad = encode_prompt(tok, lines[3]["prompt"])
 
-    class FailsOneRow:  # the real store, whose put fails for one prompt's tokens
-        def __init__(self, store):
-            self._store = store
-
-        def __getattr__(self, name):
-            return getattr(self._store, name)
-
-        def put(self, model_id, tokens, cache, **kw):
-            if list(tokens) == bad:
-                raise CorruptEntry("injected: this row's put fails")
-            return self._store.put(model_id, tokens, cache, **kw)
-
     good = [line for k, line in enumerate(lines) if k != 2]
     with PromptStore(tmp_path / "t") as st:
-        s = warmup(FailsOneRow(st), mdir, good, batch_size=8, loaded=(model, tok))
+        s = warmup(FailsOneRow(st, bad), mdir, good, batch_size=8, loaded=(model, tok))
         assert (s.stored, s.failed) == (3, 1) and [(e.line, e.id) for e in s.errors] == [(3, "d")]
         assert "injected" in s.errors[0].reason
         assert len(list(st.entries())) == 3
@@ -428,20 +431,8 @@ def test_rows_put_again_after_a_failed_batch_do_not_count_their_checkpoints_twic
     lines = [{"id": k, "prompt": f"Prompt number {k} about caches: " + "more words here " * (4 + 3 * k)} for k in range(3)]
     bad = encode_prompt(tok, lines[1]["prompt"])
 
-    class FailsOneRow:  # the real store, whose put of one prompt's whole tokens fails
-        def __init__(self, store):
-            self._store = store
-
-        def __getattr__(self, name):
-            return getattr(self._store, name)
-
-        def put(self, model_id, tokens, cache, **kw):
-            if list(tokens) == bad:
-                raise CorruptEntry("injected: this row's put fails")
-            return self._store.put(model_id, tokens, cache, **kw)
-
     with PromptStore(tmp_path / "s") as st:
-        s = warmup(FailsOneRow(st), mdir, lines, batch_size=3, checkpoint_every=8, loaded=(model, tok))
+        s = warmup(FailsOneRow(st, bad), mdir, lines, batch_size=3, checkpoint_every=8, loaded=(model, tok))
         entries = list(st.entries())
         assert (s.stored, s.failed) == (2, 1) and s.checkpoints > 0
         assert len(entries) == s.stored + s.checkpoints and s.bytes == st.usage()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import msgpack
@@ -136,27 +136,13 @@ class Manifest:
         trims to ``n``). None when there is nothing to cut, or a layer cannot
         be cut (its kind has no ``prefix_meta``, or it keeps token-spanning
         bytes outside the blocks): the entry is read whole."""
-        k = next((i for i, end in enumerate(self.bounds) if end >= n), None)
-        if k is None or k == len(self.bounds) - 1:
+        cut = prefix_cut(self.bounds, self.layers, n, lambda layer: all(r.parts is not None for r in layer.arrays),
+                         lambda r, end, m: replace(r, shape=r.shape[:-2] + (end,) + r.shape[-1:],
+                                                   nbytes=r.nbytes // r.shape[-2] * end, parts=r.parts[:m]))
+        if cut is None:
             return None
-        end = self.bounds[k]
-        layers = []
-        for layer in self.layers:
-            if any(r.parts is None for r in layer.arrays):
-                return None
-            try:
-                meta = codec_for_kind(layer.kind).prefix_meta(layer.meta, end)
-            except PromptStoreError:
-                return None
-            if meta is None:
-                return None
-            arrays = tuple(
-                replace(r, shape=r.shape[:-2] + (end,) + r.shape[-1:], nbytes=r.nbytes // r.shape[-2] * end, parts=r.parts[: k + 1])
-                for r in layer.arrays
-                if r.parts is not None
-            )
-            layers.append(replace(layer, meta=meta, arrays=arrays))
-        return replace(self, tokens=self.tokens[:end], layers=tuple(layers), bounds=self.bounds[: k + 1])
+        m, layers = cut
+        return replace(self, tokens=self.tokens[: self.bounds[m - 1]], layers=layers, bounds=self.bounds[:m])
 
     def reaches(self, n: int) -> bool:
         """Whether a trim can bring this entry down to ``n`` tokens: every
@@ -170,6 +156,32 @@ class Manifest:
             return self
         layers = tuple(replace(layer, arrays=tuple(r for r in layer.arrays if r.parts is None)) for layer in self.layers)
         return replace(self, layers=layers)
+
+
+def prefix_cut(bounds: Sequence[int], layers: Sequence[Any], n: int, cuttable: Callable[[Any], bool],
+               cut: Callable[[Any, int, int], Any]) -> Optional[Tuple[int, Tuple[Any, ...]]]:
+    """An entry's layers cut to the shortest run of its blocks (ending at
+    ``bounds``) that covers ``n`` tokens, as a local or a remote manifest
+    cuts them: ``(blocks kept, layers)``, each layer with its kind's
+    ``prefix_meta`` and its arrays ``cut(array, end, blocks kept)``. None
+    when there is nothing to cut, or a layer cannot be cut (not
+    ``cuttable``, or its kind has no ``prefix_meta`` for it)."""
+    k = next((i for i, end in enumerate(bounds) if end >= n), None)
+    if k is None or k == len(bounds) - 1:
+        return None
+    end = bounds[k]
+    out = []
+    for layer in layers:
+        if not cuttable(layer):
+            return None
+        try:
+            meta = codec_for_kind(layer.kind).prefix_meta(layer.meta, end)
+        except PromptStoreError:
+            return None
+        if meta is None:
+            return None
+        out.append(replace(layer, meta=meta, arrays=tuple(cut(a, end, k + 1) for a in layer.arrays)))
+    return k + 1, tuple(out)
 
 
 def tokens_bytes(tokens: np.ndarray) -> bytes:

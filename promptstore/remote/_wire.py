@@ -33,10 +33,10 @@ import msgpack
 import numpy as np
 import xxhash
 
-from promptstore.codecs import Encoded, codec_for_kind, decode_layer
+from promptstore.codecs import Encoded, decode_layer
 from promptstore.errors import InvalidInput, PromptStoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blank, _blocks, _fill
-from promptstore.format._entry import DTYPE_NAMES, DTYPES, MAX_ARRAYS, MAX_LAYERS, MAX_TOKENS, check_meta, is_time
+from promptstore.format._entry import DTYPE_NAMES, DTYPES, MAX_ARRAYS, MAX_LAYERS, MAX_TOKENS, check_meta, is_time, prefix_cut
 from promptstore.format._payload import host_bytes
 from promptstore.errors import RemoteCorrupt, RemoteMissing
 
@@ -98,23 +98,12 @@ class RManifest:
         ``n``), as ``Manifest.prefix`` cuts a local entry. None when there is
         nothing to cut, or a layer cannot be cut (an array not cut along the
         tokens, or a kind without ``prefix_meta``): the entry is fetched whole."""
-        k = next((i for i, end in enumerate(self.bounds) if end >= n), None)
-        if k is None or k == len(self.bounds) - 1:
+        cut = prefix_cut(self.bounds, self.layers, n, lambda layer: all(a.cut for a in layer.arrays),
+                         lambda a, end, m: replace(a, shape=a.shape[:-2] + (end,) + a.shape[-1:], parts=a.parts[:m]))
+        if cut is None:
             return None
-        end = self.bounds[k]
-        layers = []
-        for layer in self.layers:
-            if not all(a.cut for a in layer.arrays):
-                return None
-            try:
-                meta = codec_for_kind(layer.kind).prefix_meta(layer.meta, end)
-            except PromptStoreError:
-                return None
-            if meta is None:
-                return None
-            arrays = tuple(replace(a, shape=a.shape[:-2] + (end,) + a.shape[-1:], parts=a.parts[: k + 1]) for a in layer.arrays)
-            layers.append(replace(layer, meta=meta, arrays=arrays))
-        return replace(self, tokens=self.tokens[:end], bounds=self.bounds[: k + 1], layers=tuple(layers))
+        m, layers = cut
+        return replace(self, tokens=self.tokens[: self.bounds[m - 1]], bounds=self.bounds[:m], layers=layers)
 
     def parts(self) -> List[Tuple[bytes, int]]:
         """Every distinct block ``(address, nbytes)``, in manifest order."""
