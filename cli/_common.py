@@ -98,6 +98,15 @@ class Ctx:
             return None
         return self.reader(counted)
 
+    def local_only(self) -> "Ctx":
+        """This context, for a command that never uses the shared tier (ls of
+        the local store, rm, gc, compact, verify, export): the store opens
+        without it, so a malformed or unreachable ``--remote`` /
+        ``$PROMPTSTORE_REMOTE`` cannot stop local maintenance."""
+        if self._store is None:
+            self.remote = False
+        return self
+
     def close(self) -> None:
         if self._store is not None:
             self._store.close()

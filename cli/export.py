@@ -34,7 +34,7 @@ def export(obj, key, output, model_dir, as_json):
         raise click.BadParameter(str(err), param_hint="-o") from err
     output = check_output(output)
     ids = identities(model_dir)
-    store = obj.reader()
+    store = obj.local_only().reader()
     entry = store.info(key)  # EntryNotFound names the key
     if entry.model not in ids:
         raise ModelMismatch(f"entry {entry.id} belongs to model {entry.model!r}, not {ids[0]!r} ({model_dir}); "

@@ -128,7 +128,7 @@ def ls(obj, model, sort, limit, from_remote, as_json):
             everything, _ = remote_infos(remote)
         store = None
     else:
-        store = obj.reader_or_none()  # read-only; no store yet lists nothing and creates none
+        store = obj.local_only().reader_or_none()  # read-only; no store yet lists nothing and creates none
         everything = list(store.entries()) if store is not None else []
     keylen = key_length(i.id for i in everything)
     keep = model_filter(model)

@@ -25,7 +25,7 @@ def verify(obj, fix, as_json):
 
     Exits 1 when problems were found (also when --fix removed them).
     """
-    store = obj.reader()  # never creates a store; read-only unless --fix
+    store = obj.local_only().reader()  # never creates a store; read-only unless --fix
     if fix:
         obj.close()
         store = obj.store

@@ -62,6 +62,26 @@ def test_cli_bad_url_is_one_line(tmp_path):
     assert out["error"] == "RemoteURLError" and "redis://" in out["message"]
 
 
+def test_a_malformed_remote_stops_only_the_commands_that_use_it(tmp_path):
+    """Local maintenance (ls, export, verify, gc, rm, compact) never opens the
+    shared tier: a bad $PROMPTSTORE_REMOTE must not lock a user out of it."""
+    store, bad = str(tmp_path / "a"), {"PROMPTSTORE_REMOTE": "http://nope:1"}
+    put = run("--store", store, "--no-remote", "put", "--model", str(MODELS / "llama"), "--prompt", PROMPT, "--json")
+    for args in (("put", "--model", str(MODELS / "llama"), "--prompt", PROMPT + " Again."),
+                 ("get", "--model", str(MODELS / "llama"), "--prompt", PROMPT), ("stats",)):
+        assert run("--store", store, *args, "--json", code=1, env=bad)["error"] == "RemoteURLError", args
+    assert [d["id"] for d in run("--store", store, "ls", "--json", env=bad)] == [put["id"]]
+    run("--store", store, "export", put["id"], "-o", str(tmp_path / "c.safetensors"), "--model", str(MODELS / "llama"),
+        env=bad)
+    assert run("--store", store, "verify", "--json", env=bad)["problems"] == []
+    assert run("--store", store, "verify", "--fix", "--json", env=bad)["problems"] == []
+    run("--store", store, "gc", "--dry-run", env=bad)
+    run("--store", store, "gc", env=bad)
+    run("--store", store, "compact", env=bad)
+    run("--store", store, "rm", put["id"], "--yes", env=bad)
+    assert run("--store", store, "ls", "--json", env=bad) == []
+
+
 def test_ls_remote_lists_what_other_hosts_published(tmp_path, redis_single):
     url = f"{redis_single.url}?ns=cli-ls"
     model = str(MODELS / "llama")
