@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from promptstore.store._salvage import salvage as run_salvage
@@ -20,12 +22,19 @@ def salvage(src, dst, as_json):
     is fully checked before it is copied. When the data file's tree cannot be
     walked (cut short, header pages destroyed), its bytes are scanned for
     intact entries. Then point --store at DST.
+
+    Exits 1 when SRC held entries (or unreadable tables) and none could be
+    copied.
     """
     report = run_salvage(src, dst)
+    failed = not report.copied and bool(report.skipped or report.unreadable_tables)
     if as_json:
         emit_json({"src": report.src, "dst": report.dst, "copied": list(report.copied),
                    "skipped": [{"id": i, "why": w} for i, w in report.skipped],
-                   "unreadable_tables": list(report.unreadable_tables), "scanned": list(report.scanned)})
+                   "unreadable_tables": list(report.unreadable_tables), "scanned": list(report.scanned),
+                   "ok": not failed})
+        if failed:
+            sys.exit(1)
         return
     for eid, why in report.skipped:
         click.echo(f"skipped {eid}: {why}", err=True)
@@ -33,3 +42,6 @@ def salvage(src, dst, as_json):
         click.echo(f"warning: tables partly unreadable: {', '.join(report.unreadable_tables)}", err=True)
     scanned = f" ({len(report.scanned)} found by scanning the data file's bytes)" if report.scanned else ""
     click.echo(f"salvaged {plural(len(report.copied))} into {report.dst}{scanned}; {len(report.skipped)} left behind")
+    if failed:
+        click.echo(f"error: nothing in {report.src} could be salvaged; {report.dst} holds an empty store", err=True)
+        sys.exit(1)

@@ -7,7 +7,7 @@ import re
 
 from click.testing import CliRunner
 
-from _raw import audit_blocks, stored_bytes
+from _raw import audit_blocks, flip_block, shared_block, stored_bytes
 from _content import MODEL, chat_entry, same_cache
 from conftest import ROOT
 from promptstore import PromptStore
@@ -53,6 +53,23 @@ def test_gc_compact_salvage(tmp_path):
     assert code == 1 and "not empty" in json.loads(out)["message"]
     code, out = run("--store", path, "gc", "--budget", "lots")
     assert code == 2
+
+
+def test_salvage_that_saves_nothing_fails(tmp_path):
+    """A store whose every entry is damaged: salvage says so and exits 1 (a
+    script must not take an empty copy for a rescue); an empty store is no failure."""
+    path = tmp_path / "s"
+    with PromptStore(path) as store:
+        info = store.put(MODEL, *chat_entry(91, 0))
+        flip_block(store, shared_block(store, [info.id]))
+    code, out = run("salvage", path, tmp_path / "copy", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["copied"] == [] and [d["id"] for d in doc["skipped"]] == [info.id] and not doc["ok"]
+    code, out = run("salvage", path, tmp_path / "copy2")
+    assert code == 1 and "nothing in" in out and "could be salvaged" in out
+    PromptStore(tmp_path / "empty").close()
+    code, out = run("salvage", tmp_path / "empty", tmp_path / "copy3", "--json")
+    assert code == 0 and json.loads(out)["ok"]
 
 
 def test_no_pickle_in_our_code():
