@@ -142,6 +142,58 @@ def test_compact_rewrites_packs_that_hold_dead_blocks(tmp_path):
         assert store.usage() == stored_bytes(store) and store.verify().ok
 
 
+def test_a_compaction_retried_after_map_growth_leaves_no_pack_behind(tmp_path, monkeypatch):
+    """The repack transaction of ``compact`` is run again when the map must
+    grow: the packs its first attempt wrote were left on disk, recorded
+    nowhere (verify counted them as orphans until a gc removed them)."""
+    from promptstore.store import _packing
+
+    path = tmp_path / "s"
+    with PromptStore(path) as store:
+        t_long, c_long = chat(2048)
+        t_half, c_half = chat(1024)
+        t_other, c_other = chat(700, seed=5)
+        for t, c in ((t_long, c_long), (t_half, c_half), (t_other, c_other)):
+            store.put(MODEL, t, c)
+        store.delete(MODEL, t_long)
+        store.gc()
+        store.env.compact()  # the LMDB file alone, copied compactly: no free page left in it
+    attempts = []
+    real = _packing.repack
+    monkeypatch.setattr(_packing, "repack", lambda *a, **k: attempts.append(1) or real(*a, **k))
+    with PromptStore(path, map_size=1 << 12) as store:  # LMDB raises it to the pages in use, no more
+        store.compact(upgrade=False)
+        assert len(attempts) == 2  # the first attempt found the map full, the map grew, the second committed
+        rep = store.verify()
+        assert rep.ok and rep.orphan_packs == 0, packs(store)
+        assert same(store.get(MODEL, t_half), c_half) and same(store.get(MODEL, t_other), c_other)
+        assert audit_packs(store) == len(packs(store))
+        audit_blocks(store)
+        assert store.usage() == stored_bytes(store)
+
+
+def test_a_compaction_that_fails_after_writing_a_pack_removes_it(tmp_path, monkeypatch):
+    from promptstore.store import _packing
+
+    with PromptStore(tmp_path / "s") as store:
+        t_long, c_long = chat(2048)
+        t_half, c_half = chat(1024)
+        store.put(MODEL, t_long, c_long)
+        store.put(MODEL, t_half, c_half)
+        store.delete(MODEL, t_long)
+        before = packs(store)
+
+        def record(*a, **k):
+            raise RuntimeError("after the new pack is written")
+
+        monkeypatch.setattr(_packing, "record", record)
+        with pytest.raises(RuntimeError):
+            store.compact(upgrade=False)
+        monkeypatch.undo()
+        assert packs(store) == before and store.verify().orphan_packs == 0
+        assert same(store.get(MODEL, t_half), c_half)
+
+
 def test_eviction_removes_packs_and_keeps_the_budget(tmp_path):
     budget = 2_000_000
     with PromptStore(tmp_path / "s", budget=budget) as store:

@@ -78,16 +78,16 @@ class Capacity:
                 target = budget if budget is not None else _budget.get_budget(txn, self._db)
                 return self._plan(txn, target)
 
-        def write(txn) -> GcReport:
+        def write(txn, fresh: List[int]) -> GcReport:
             self._usage.flush_in(txn)
             _budget.recount(txn, self._db)
             target = budget if budget is not None else _budget.get_budget(txn, self._db)
             report = self._evict(txn, target, plan)
-            self._writer.repack(txn, [])
+            self._writer.repack(txn, fresh)
             self._maintenance.sweep_blobs(txn)
             return report
 
-        return self._env.write(write)
+        return self._writer.write_packs(write)
 
     def frees(self, ids: Sequence[str]) -> int:
         """See :meth:`PromptStore.frees`: measured as eviction measures it (``freed_by``)."""

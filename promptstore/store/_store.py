@@ -579,7 +579,7 @@ class PromptStore:
         if upgrade:
             self.upgrade()
         self.flush()
-        self.env.write(lambda txn: self._writer.repack(txn, [], every=True))
+        self._writer.write_packs(lambda txn, fresh: self._writer.repack(txn, fresh, every=True))
         before, after = self.env.compact()
         return before + start, after + self._blobs.nbytes() + self._packs.nbytes()
 

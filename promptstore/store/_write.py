@@ -18,7 +18,7 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from promptstore.store._env import Env
 from promptstore.store._schema import F64, Tables, chunk_key, model_of, owner_of_chunk
 from promptstore.store._usage import Usage
 
+T = TypeVar("T")
 Block = Tuple[bytes, Any, int]  # address, its bytes (bytes-like, or a [rows, tokens, width] view), size
 
 
@@ -234,6 +235,27 @@ class EntryWriter:
         if not _packing.repack_due(txn, self._db):
             return 0
         return _packing.repack(txn, self._db, self._packs, packs, self.unlink_pack_later, str(self.path))
+
+    def write_packs(self, body: Callable[[Any, List[int]], T]) -> T:
+        """``Env.write(body(txn, fresh))`` for a transaction that writes pack
+        files (a repack) outside a put: ``fresh`` collects their numbers. A
+        retried attempt (map growth) first unlinks the files of the one before,
+        which no record names, and a failed write those its commit does not record."""
+        fresh: List[int] = []
+
+        def attempt(txn) -> T:
+            for num in fresh:
+                self._packs.unlink(num)
+            fresh.clear()
+            return body(txn, fresh)
+
+        try:
+            return self._env.write(attempt)
+        except BaseException:
+            for num in fresh:
+                if not self._has_pack(num):
+                    self._packs.unlink(num)
+            raise
 
     def freed_by(self, txn) -> _budget.Release:
         """What evicting entries frees, their blocks included, given those planned before."""
