@@ -23,6 +23,17 @@ def write_manifest(store, entry_id: str, doc: dict) -> None:
     store.env.write(lambda t: t.put(ekey, msgpack.packb(doc, use_bin_type=True), db=store._db[b"entries"]))
 
 
+def damage_manifest(store, ekey: bytes) -> None:
+    """Flip two bytes of the manifest at ``ekey``: it no longer parses."""
+    def damage(txn):
+        raw = bytearray(txn.get(ekey, db=store._db.entries))
+        raw[5] ^= 0xFF
+        raw[6] ^= 0xFF
+        txn.put(ekey, bytes(raw), db=store._db.entries)
+
+    store.env.write(damage)
+
+
 def chunk_key(store, entry_id: str, i: int) -> bytes:
     return ekey_of(store, entry_id) + _keys.u32(i)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from _raw import audit_blocks, ekey_of, stored_bytes
+from _raw import audit_blocks, damage_manifest, ekey_of, stored_bytes
 from _content import MODEL, chat_entry, entry_of, make_entry, same_cache
 from promptstore import InvalidInput, PromptStore, StoreFull
 from promptstore.store import _env
@@ -527,17 +527,6 @@ def test_eviction_keeps_back_prefix_entries_it_turned_out_not_to_need(tmp_path):
         audit_blocks(s)
 
 
-def _damage_manifest(store, ekey: bytes) -> None:
-    """Flip two bytes of the manifest at ``ekey``: it no longer parses."""
-    def damage(txn):
-        raw = bytearray(txn.get(ekey, db=store._db.entries))
-        raw[5] ^= 0xFF
-        raw[6] ^= 0xFF
-        txn.put(ekey, bytes(raw), db=store._db.entries)
-
-    store.env.write(damage)
-
-
 def test_gc_frees_the_blocks_of_an_evicted_entry_whose_manifest_was_damaged(tmp_path):
     """Such an entry cannot release its blocks as it goes: gc evicted it and
     left its blocks counted, in usage and against the budget, until a
@@ -553,7 +542,7 @@ def test_gc_frees_the_blocks_of_an_evicted_entry_whose_manifest_was_damaged(tmp_
             grower.extend(cache, 600)
             toks += data.token_ids(rng, 600)
             s.put(MODEL, list(toks), cache)
-        _damage_manifest(s, _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(toks)))
+        damage_manifest(s, _keys.entry_key(_keys.model_id(MODEL), _keys.as_tokens(toks)))
         report = s.gc(budget=1000)
         assert len(report.evicted) == 2 and report.usage == s.usage() == true_usage(s) == 0
         assert s.verify().ok
@@ -583,6 +572,6 @@ def test_cli_rm_of_a_damaged_entry_points_at_verify_fix(tmp_path):
 
     with PromptStore(tmp_path / "s") as store:
         info = store.put(MODEL, *chat_entry(0, 1))
-        _damage_manifest(store, ekey_of(store, info.id))
+        damage_manifest(store, ekey_of(store, info.id))
     res = CliRunner().invoke(main, ["--store", str(tmp_path / "s"), "rm", info.id, "--yes"])
     assert res.exit_code == 1 and "`promptstore verify --fix` removes damaged entries" in res.stderr

@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from _bits import bits_equal
-from _raw import audit_blocks, block_place, flip_block, shared_block, stored_block_sizes, stored_bytes
+from _raw import audit_blocks, block_place, damage_manifest, ekey_of, flip_block, shared_block, stored_block_sizes, stored_bytes
 from _content import MODEL, chat_entry, same_cache
 from _workers import _drain, _say
 from conftest import load_fixture, sample_tokens
@@ -186,6 +186,37 @@ def test_the_budget_counts_shared_bytes_once(tmp_path, chat):
         for info in store.entries():
             turn = info.n_tokens // TURN
             assert same_cache(store.get(MODEL, tokens[: info.n_tokens]), caches[turn - 1])
+
+
+def test_a_put_that_evicts_an_entry_whose_manifest_was_damaged_frees_its_blocks(tmp_path, monkeypatch):
+    """Such an entry cannot release its blocks as it goes: a put that evicted
+    it to stay in the budget left them counted (its own block stored, the
+    shared ones over-counted: verify's wrong counts and orphan blocks) until
+    gc or `verify --fix`. The put now recounts them, as gc does; the intact
+    entry's blocks stay, and a put that evicts only intact entries recounts nothing."""
+    first, second, other = chat_entry(0, 0), chat_entry(0, 1), chat_entry(1, 0)
+    with PromptStore(tmp_path / "t", shared_blocks=True) as scratch:  # what the last put adds
+        scratch.put(MODEL, *first)
+        adds = scratch.put(MODEL, *other).added
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        recounts = []
+        monkeypatch.setattr(store._writer, "recount", lambda txn, real=store._writer.recount: recounts.append(real(txn)))
+        a = store.put(MODEL, *first)
+        b = store.put(MODEL, *second)  # shares the first's blocks, and has one of its own
+        damage_manifest(store, ekey_of(store, b.id))
+        store.touch(MODEL, first[0])  # the damaged entry is the least recently used
+        budget = store.usage() + adds - 1
+        store.set_budget(budget)
+        c = store.put(MODEL, *other)  # shares the system prompt's block with both
+        assert {e.id for e in store.entries()} == {a.id, c.id}
+        assert audit_blocks(store) and store.verify().ok
+        assert store.usage() == stored_bytes(store) <= budget
+        for tokens, cache in (first, other):
+            assert same_cache(store.get(MODEL, tokens), cache)
+        assert len(recounts) == 1
+        d = store.put(MODEL, *chat_entry(2, 0))  # evicts the first entry, intact
+        assert {e.id for e in store.entries()} == {c.id, d.id} and len(recounts) == 1
+        assert audit_blocks(store) and store.verify().ok and store.usage() == stored_bytes(store) <= budget
 
 
 def _flip_block(store, at: int = 0):

@@ -32,7 +32,7 @@ from promptstore.format._entry import unpack_manifest
 from promptstore.store._keys import entry_id
 from promptstore.store._schema import BUDGET_KEY, F64, PINS, REFS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
 
-Unlink = Callable[[Any, bytes, Optional[bytes]], None]
+Unlink = Callable[[Any, bytes, Optional[bytes]], bool]  # False: the entry's manifest could not be read, its blocks stay counted
 
 
 MAX_BUDGET = (1 << 64) - 1  # what ``info[budget]`` (u64) holds
@@ -154,11 +154,12 @@ def account(txn, db: Tables, ekey: bytes, size: int) -> None:
 def admit(
     txn, db: Tables, ekey: bytes, size: int, unlink: Unlink, where: str, freed: Optional[Freed] = None, footprint: int = 0,
     pinned: Optional[Dict[bytes, int]] = None,
-) -> List[bytes]:
+) -> Tuple[List[bytes], bool]:
     """Account a new entry of ``size`` bytes of its own and evict LRU entries
     until usage fits the budget. ``footprint``: what the entry needs stored
     alone, its shared blocks included. ``pinned``: the entry stays pinned (it
     replaces a pinned one), with these shared blocks (address -> bytes).
+    Returns what :func:`evict` returns.
 
     Raises:
         StoreFull: the entry alone is larger than the budget, or, pinned, it
@@ -174,7 +175,7 @@ def admit(
         )
     account(txn, db, ekey, size)
     if budget is None:
-        return []
+        return [], False
     if pinned is not None:
         total = pinned_bytes(txn, db, also=ekey, also_blocks=pinned)
         if total > budget:
@@ -198,7 +199,8 @@ class Release:
 
     ``blocks(ekey)``: the block addresses the entry's manifest references,
     once per reference (none when it cannot be read: only its own size is
-    freed, and its blocks stay counted).
+    counted as freed, and its blocks are freed, if at all, only when the
+    gc or put that evicts it recounts them: ``EntryWriter.recount``).
     """
 
     def __init__(self, txn, db: Tables, blocks: Callable[[bytes], Sequence[bytes]]):
@@ -291,12 +293,16 @@ def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Union[None, Free
     return victims, now
 
 
-def evict(txn, db: Tables, budget: int, keep: Set[bytes], unlink: Unlink, freed: Optional[Freed] = None) -> List[bytes]:
+def evict(txn, db: Tables, budget: int, keep: Set[bytes], unlink: Unlink, freed: Optional[Freed] = None) -> Tuple[List[bytes], bool]:
+    """Evict the entries :func:`plan` names: their keys, and whether one's
+    manifest could not be read (its blocks stayed counted: the caller recounts)."""
     victims, _ = plan(txn, db, budget, keep, freed)
     entries = db.entries
+    unknown = False
     for k, _ in victims:
-        unlink(txn, k, txn.get(k, db=entries))
-    return [k for k, _ in victims]
+        released = unlink(txn, k, txn.get(k, db=entries))
+        unknown = unknown or not released
+    return [k for k, _ in victims], unknown
 
 
 def accounting(txn, db: Tables) -> Tuple[Dict[bytes, int], int]:

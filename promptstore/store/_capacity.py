@@ -128,17 +128,16 @@ class Capacity:
             return GcReport((), 0, _budget.usage(txn, self._db), None, False)
         else:
             victims, _ = _budget.plan(txn, self._db, budget, set(), self._writer.freed_by(txn))
-        damaged = False
+        unknown = False
         for k, _ in victims:
-            damaged = damaged or self._writer.readable(txn, k) is None
-            self._writer.unlink(txn, k, txn.get(k, db=self._db.entries))
+            released = self._writer.unlink(txn, k, txn.get(k, db=self._db.entries))
+            unknown = unknown or not released
         self._usage.forget(k for k, _ in victims)
-        if damaged:
+        if unknown:
             # An entry whose manifest was damaged cannot release its blocks as
             # it goes: they are freed here when no other manifest names them
             # (none while one cannot be read), and the usage recounted.
-            self._maintenance.recount_blocks(txn)
-            _budget.recount(txn, self._db)
+            self._writer.recount(txn)
         return GcReport(
             tuple(_keys.entry_id(k) for k, _ in victims),
             sum(s for _, s in victims),

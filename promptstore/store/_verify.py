@@ -8,11 +8,11 @@ from typing import Collection, Dict, List, Optional, Set, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _packs
-from promptstore.store import _budget, _index, _keys, _packing
+from promptstore.store import _budget, _index, _keys, _packing, _refcount
 from promptstore.store._env import Env
 from promptstore.store._read import _LOOKS, Reader
 from promptstore.store._results import VerifyReport
-from promptstore.store._schema import PACKS, PLACES, Tables, model_of, owner_of_chunk
+from promptstore.store._schema import PACKS, Tables, model_of, owner_of_chunk
 from promptstore.store._walk import walk_tables
 from promptstore.store._write import EntryWriter
 
@@ -81,8 +81,7 @@ class Maintenance:
                         txn.delete(k, db=db.chunks)
                 self.rebuild_index(txn)
                 self.sweep_blobs(txn)
-                self.recount_blocks(txn)
-                _budget.recount(txn, db)
+                self._writer.recount(txn)
                 _budget.rebuild_lru(txn, db)
 
             self._env.write(write)
@@ -93,10 +92,10 @@ class Maintenance:
 
     def _counts(self, txn) -> "_Counts":
         """How the stored reference counts differ from the references the manifests make."""
-        want, unreadable = self._references(txn)
         db = self._db
+        want, unreadable = _refcount.references(txn, db)
         have = {bytes(k): _budget.ref_count(v) for k, v in txn.cursor(db=db.refs)}
-        stored = self._stored(txn)
+        stored = _refcount.stored(txn, db)
         # While a manifest cannot be read (damaged, or a newer promptstore's
         # entry, kept) its references are unknown: only a count below what
         # the readable ones make is wrong.
@@ -104,77 +103,6 @@ class Maintenance:
                        if (want.get(k, 0) > have.get(k, 0)) or (not unreadable and want.get(k, 0) != have.get(k, 0)))
         orphans = sorted(k for k in stored if k not in want) if not unreadable else []
         return _Counts(wrong, orphans)
-
-    def _references(self, txn) -> Tuple[Dict[bytes, int], bool]:
-        """References to each block from every readable manifest, and whether
-        some manifest could not be read (then nothing may be freed: it may
-        reference blocks too)."""
-        want: Dict[bytes, int] = {}
-        unreadable = False
-        for k, raw in txn.cursor(db=self._db.entries):
-            try:
-                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k)))
-            except PromptStoreError:
-                unreadable = True
-                continue
-            for key, _ in man.blocks():
-                want[key] = want.get(key, 0) + 1
-        return want, unreadable
-
-    def recount_blocks(self, txn) -> None:
-        """Set every block's reference count to the references the manifests
-        make; remove blocks no manifest references. While a manifest cannot
-        be read (it may reference blocks too) no count is lowered and no
-        block removed. A block referenced but not stored keeps its count at
-        zero: its entries read as damaged."""
-        db = self._db
-        want, unreadable = self._references(txn)
-        stored = self._stored(txn)
-        sizes = dict(self._sizes(txn))
-        for key in [bytes(k) for k in txn.cursor(db=db.refs).iternext(keys=True, values=False)]:
-            if key not in want and not unreadable:
-                txn.delete(key, db=db.refs)
-        for key, count in want.items():
-            if key not in stored:
-                txn.delete(key, db=db.refs)
-                continue
-            raw = txn.get(key, db=db.refs)
-            size = _budget.ref_size(raw)  # a block's size is in its refs record,
-            if not size:  # unless that record is missing or damaged: then what the manifests say
-                size = sizes.get(key, 0)
-            if unreadable and raw is not None:
-                count = max(count, _budget.ref_count(raw))
-            txn.put(key, _budget.ref_value(count, size), db=db.refs)
-        if not unreadable:
-            for key in stored:
-                if key not in want:
-                    self._writer.free_block(txn, key, 0)
-        self._recount_packs(txn)
-
-    def _stored(self, txn) -> set:
-        """The addresses of every stored block: LMDB values and blocks in packs."""
-        db = self._db
-        stored = {bytes(k) for k in txn.cursor(db=db.blocks).iternext(keys=True, values=False)}
-        if PLACES in db:
-            stored.update(bytes(k) for k in txn.cursor(db=db.places).iternext(keys=True, values=False))
-        return stored
-
-    def _sizes(self, txn):
-        """``(address, bytes)`` of every block the readable manifests reference."""
-        for k, raw in txn.cursor(db=self._db.entries):
-            try:
-                yield from _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k))).blocks()
-            except PromptStoreError:
-                continue
-
-    def _recount_packs(self, txn) -> None:
-        """Rebuild the packs' records from where the blocks are; drop (and,
-        after the commit, unlink) the packs none of whose blocks is referenced."""
-        if PACKS not in self._db:
-            return
-        db = self._db
-        for pack in _packing.rebuild(txn, db, lambda key: _budget.ref_size(txn.get(key, db=db.refs))):
-            self._writer.unlink_pack_later(pack)
 
     def _look(self, ekey: bytes, eid: str, gone: Collection[str] = ()) -> Tuple[Optional[bytes], Optional[PromptStoreError], str]:
         """Check the entry at ``ekey`` in a new snapshot: its manifest there

@@ -26,7 +26,7 @@ from promptstore.codecs import Encoded, check_encoded, codec_for_kind, codec_for
 from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
 from promptstore.format import _blobs, _blocks, _entry, _fill, _packs, _payload
 from promptstore.format._entry import Manifest
-from promptstore.store import _budget, _index, _keys, _packing
+from promptstore.store import _budget, _index, _keys, _packing, _refcount
 from promptstore.store._env import Env
 from promptstore.store._schema import F64, Tables, chunk_key, model_of, owner_of_chunk
 from promptstore.store._usage import Usage
@@ -107,7 +107,9 @@ class EntryWriter:
         store lacks it (into a new pack file if ``packs`` is a list, to which
         its number is appended; see :meth:`_reference`). An entry at ``ekey`` is replaced (its pin kept). With
         ``evict``, least-recently-used entries go to make room within the
-        budget, in this same transaction. Returns the bytes of blocks written.
+        budget, in this same transaction; when one of them had a manifest
+        that could not be read, the blocks are recounted (:meth:`recount`)
+        once this entry's manifest is written. Returns the bytes of blocks written.
 
         Raises:
             StoreFull: the entry alone is larger than the budget.
@@ -128,14 +130,17 @@ class EntryWriter:
             named = {key: size for key, _, size in blocks}
             footprint = nbytes + sum(named.values())
             kept_pin = named if pinned or _budget.is_pinned(txn, db, ekey) else None
-            _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path), self.freed_by(txn), footprint, kept_pin)
+            _, unknown = _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path), self.freed_by(txn), footprint, kept_pin)
         else:
             _budget.account(txn, db, ekey, nbytes)
+            unknown = False
         if pinned:
             txn.put(ekey, b"", db=db.pins)
         if packs is not None:
             self.repack(txn, packs)
         txn.put(ekey, manifest, db=db.entries)  # last: the entry is visible whole or not at all
+        if unknown:  # after the manifest: this entry's references, size and pin count in the recount
+            self.recount(txn)
         return written
 
     def _reference(self, txn, blocks: Sequence[Block], packs: Optional[List[int]]) -> int:
@@ -257,6 +262,14 @@ class EntryWriter:
                     self._packs.unlink(num)
             raise
 
+    def recount(self, txn) -> None:
+        """Recount every block's references from the manifests, removing the
+        blocks none references (``_refcount``), and the byte accounting
+        (``_budget.recount``): after removing an entry whose manifest could
+        not be read, which left its blocks counted. It reads every manifest."""
+        _refcount.recount_blocks(txn, self._db, self.free_block, self.unlink_pack_later)
+        _budget.recount(txn, self._db)
+
     def freed_by(self, txn) -> _budget.Release:
         """What evicting entries frees, their blocks included, given those planned before."""
         def blocks(ekey: bytes) -> List[bytes]:
@@ -273,9 +286,11 @@ class EntryWriter:
         except PromptStoreError:
             return None
 
-    def unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> None:
+    def unlink(self, txn, ekey: bytes, raw_manifest: Optional[bytes]) -> bool:
         """Remove every record of an entry but its pin (a replaced entry keeps it).
-        Its blob file is unlinked once ``txn`` commits."""
+        Its blob file is unlinked once ``txn`` commits. Returns whether its
+        blocks were released: False when ``raw_manifest`` is None or cannot be
+        read, so its blocks stay counted until :meth:`recount`."""
         db = self._db
         cur = txn.cursor(db=db.chunks)
         if cur.set_range(ekey):
@@ -283,6 +298,7 @@ class EntryWriter:
                 if not cur.delete():
                     break
         eid = _keys.entry_id(ekey)
+        released = False
         if raw_manifest is not None:
             try:
                 man = _entry.unpack_manifest(bytes(raw_manifest), eid)
@@ -291,6 +307,7 @@ class EntryWriter:
                 pass  # damaged manifest: its index records become harmless dead ends (its blob and blocks, leftovers)
             else:
                 self._release(txn, man)
+                released = True
                 if man.blob is not None and man.blob.startswith(eid + "-"):
                     blob = man.blob
                     self._env.after_commit(lambda: self._blobs.unlink(blob))
@@ -298,6 +315,7 @@ class EntryWriter:
         txn.delete(eid.encode(), db=db.ids)
         _budget.forget(txn, db, ekey)
         txn.delete(ekey, db=db.entries)
+        return released
 
     def drop(self, txn, ekey: bytes) -> bool:
         """Delete the entry at ``ekey`` and its pin; False when there is none."""
