@@ -219,6 +219,23 @@ def test_a_put_that_evicts_an_entry_whose_manifest_was_damaged_frees_its_blocks(
         assert audit_blocks(store) and store.verify().ok and store.usage() == stored_bytes(store) <= budget
 
 
+def test_a_put_that_replaces_an_entry_whose_manifest_was_damaged_frees_its_blocks(tmp_path):
+    """The same for a put of that entry's tokens (a serving loop's, after the
+    miss): the replaced manifest's references stayed counted, so its blocks
+    were never freed, not even once every entry was deleted."""
+    first, second = chat_entry(0, 0), chat_entry(0, 1)
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        store.put(MODEL, *first)
+        b = store.put(MODEL, *second)
+        damage_manifest(store, ekey_of(store, b.id))
+        store.put(MODEL, *second)
+        assert audit_blocks(store) and store.verify().ok and store.usage() == stored_bytes(store)
+        for tokens, cache in (first, second):
+            assert same_cache(store.get(MODEL, tokens), cache)
+        assert store.delete(MODEL, second[0]) and store.delete(MODEL, first[0])
+        assert block_bytes(store) == 0 and store.usage() == 0
+
+
 def _flip_block(store, at: int = 0):
     """Flip a byte of a block that more than one entry references."""
     from promptstore.store import _budget

@@ -107,17 +107,19 @@ class EntryWriter:
         store lacks it (into a new pack file if ``packs`` is a list, to which
         its number is appended; see :meth:`_reference`). An entry at ``ekey`` is replaced (its pin kept). With
         ``evict``, least-recently-used entries go to make room within the
-        budget, in this same transaction; when one of them had a manifest
-        that could not be read, the blocks are recounted (:meth:`recount`)
-        once this entry's manifest is written. Returns the bytes of blocks written.
+        budget, in this same transaction. When the entry replaced or one
+        evicted had a manifest that could not be read, the blocks are
+        recounted (:meth:`recount`) once this entry's manifest is written.
+        Returns the bytes of blocks written.
 
         Raises:
             StoreFull: the entry alone is larger than the budget.
         """
         db = self._db
         old = txn.get(ekey, db=db.entries)
+        unknown = False  # an entry removed here could not release its blocks (its manifest cannot be read)
         if old is not None:
-            self.unlink(txn, ekey, bytes(old))
+            unknown = not self.unlink(txn, ekey, bytes(old))
         for i, chunk in enumerate(chunks):
             txn.put(chunk_key(ekey, i), chunk, db=db.chunks)
         written = self._reference(txn, blocks, packs)
@@ -130,10 +132,10 @@ class EntryWriter:
             named = {key: size for key, _, size in blocks}
             footprint = nbytes + sum(named.values())
             kept_pin = named if pinned or _budget.is_pinned(txn, db, ekey) else None
-            _, unknown = _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path), self.freed_by(txn), footprint, kept_pin)
+            _, evicted_unknown = _budget.admit(txn, db, ekey, nbytes, self.unlink, str(self.path), self.freed_by(txn), footprint, kept_pin)
+            unknown = unknown or evicted_unknown
         else:
             _budget.account(txn, db, ekey, nbytes)
-            unknown = False
         if pinned:
             txn.put(ekey, b"", db=db.pins)
         if packs is not None:
