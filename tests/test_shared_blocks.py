@@ -236,6 +236,19 @@ def test_a_put_that_replaces_an_entry_whose_manifest_was_damaged_frees_its_block
         assert block_bytes(store) == 0 and store.usage() == 0
 
 
+def test_deleting_an_entry_whose_manifest_was_damaged_frees_its_blocks(tmp_path):
+    first, second = chat_entry(0, 0), chat_entry(0, 1)
+    with PromptStore(tmp_path / "s", shared_blocks=True) as store:
+        store.put(MODEL, *first)
+        b = store.put(MODEL, *second)
+        damage_manifest(store, ekey_of(store, b.id))
+        assert store.delete(MODEL, second[0])
+        assert audit_blocks(store) and store.verify().ok and store.usage() == stored_bytes(store)
+        assert same_cache(store.get(MODEL, first[0]), first[1])
+        assert store.delete(MODEL, first[0])
+        assert block_bytes(store) == 0 and store.usage() == 0
+
+
 def _flip_block(store, at: int = 0):
     """Flip a byte of a block that more than one entry references."""
     from promptstore.store import _budget

@@ -320,12 +320,16 @@ class EntryWriter:
         return released
 
     def drop(self, txn, ekey: bytes) -> bool:
-        """Delete the entry at ``ekey`` and its pin; False when there is none."""
+        """Delete the entry at ``ekey`` and its pin; False when there is none.
+        An entry whose manifest cannot be read is deleted too, and the blocks
+        recounted (:meth:`recount`)."""
         raw = txn.get(ekey, db=self._db.entries)
         if raw is None:
             return False
-        self.unlink(txn, ekey, bytes(raw))
+        released = self.unlink(txn, ekey, bytes(raw))
         txn.delete(ekey, db=self._db.pins)
+        if not released:
+            self.recount(txn)
         return True
 
     # -- a put: its own transaction ---------------------------------------------
