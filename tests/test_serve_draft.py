@@ -5,7 +5,9 @@ greedy requests through the OpenAI Python client, as a user's application sends 
 Greedy answers equal those of the same server without a draft; after a restart
 the cached tokens come from the store; the counters report draft tokens and
 acceptance; entries are ``ssm.gated_delta``; a request that a stop string
-ends inside a verify round is cached under the tokens the server took."""
+ends inside a verify round is cached under the tokens the server took; the
+system prompt is checkpointed as without a draft, and the next conversation
+starts from it."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
         got = _answers(srv)
         assert [text(r) for r in got] == [text(r) for r in want]
         assert [r["usage"]["completion_tokens"] for r in got] == [r["usage"]["completion_tokens"] for r in want]
-        assert all(cached(r) == 0 for r in got)
+        assert [cached(r) for r in got] == [cached(r) for r in want]  # 0, then the system checkpoint's
     first = srv.stop()
     counters = first["cache"]
     assert first["draft_model"] == str(MODELS / model)
@@ -66,10 +68,12 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
     assert counters["acceptance"] == counters["accepted_draft_tokens"] / counters["draft_tokens"]
     assert counters["pending"] == 0 and counters["errors"] == 0 and counters["write_failed"] == 0
 
-    # per request: the prompt checkpoint and prompt + answer, target and draft layers, as ssm.gated_delta
+    # per request: the prompt checkpoint and prompt + answer, target and draft layers, as ssm.gated_delta;
+    # and the system prompt's checkpoint, which the requests share
     docs = cli_json(store, "ls")
     fp = fingerprint(MODELS / model)
-    assert len(docs) == 2 * len(PROMPTS) and {d["model"] for d in docs} == {f"{fp}+draft:{fp}"}
+    assert len(docs) == 2 * len(PROMPTS) + 1 and {d["model"] for d in docs} == {f"{fp}+draft:{fp}"}
+    assert sorted(d["meta"]["cache_type"] for d in docs).count("system") == 1
     for d in docs:
         assert "arrays" not in d["kinds"] and d["kinds"].count("ssm.gated_delta") == len(d["kinds"]) // 2
     lengths = sorted(d["tokens"] for d in docs)
@@ -83,6 +87,60 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
         assert [cached(r) for r in again] == [r["usage"]["prompt_tokens"] - 1 for r in got]
     second = srv.stop()["cache"]
     assert second["store_hits"] == len(PROMPTS) and second["errors"] == 0
+    assert cli_json(store, "verify")["ok"]
+
+
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
+def test_draft_requests_checkpoint_the_system_prompt_as_requests_without_a_draft_do(tmp_path, model):
+    """On a hybrid, whose entries match only at their exact length, a draft
+    request stores the system prompt's checkpoint where the server without a
+    draft does: the next request with the same system prompt and another
+    user message starts from it, in memory and after a restart (from the
+    store), with the answers and cached tokens of the server without a draft.
+    The stored checkpoint holds, bit for bit in the target's and in the
+    draft's layers, what prefilling the system prompt leaves. Draft requests
+    used to store none: every new user message was prefilled from token 0."""
+    log, store = tmp_path / "server.log", tmp_path / "store"
+    draft = ("--draft-model", str(MODELS / model), "--num-draft-tokens", "3")  # a self-draft
+    later = "Say hello."  # a user message none of PROMPTS' requests stored
+
+    with Server(tmp_path / "plain", model, log) as plain:
+        want = _answers(plain)
+        want_later = plain.chat(_chat(later), max_tokens=12)
+    plain.stop()
+    systems = [d["tokens"] for d in cli_json(tmp_path / "plain", "ls") if d["meta"]["cache_type"] == "system"]
+    assert len(systems) == 1 and systems[0] > 0
+    n_system = systems[0]
+    assert [cached(r) for r in want] == [0, n_system, n_system]  # the plain server's own hits on it
+
+    with Server(store, model, log, *draft) as srv:
+        got = _answers(srv)
+        assert [text(r) for r in got] == [text(r) for r in want]
+        assert [cached(r) for r in got] == [cached(r) for r in want]
+    counters = srv.stop()["cache"]
+    assert counters["memory_hits"] == len(PROMPTS) - 1 and counters["errors"] == 0 and counters["write_failed"] == 0
+
+    target, tokenizer, fp, _ = load_fixture(model)
+    ident = f"{fp}+draft:{fp}"
+    docs = cli_json(store, "ls")
+    systems = [d for d in docs if d["meta"]["cache_type"] == "system"]
+    assert [(d["model"], d["tokens"]) for d in systems] == [(ident, n_system)]
+    assert systems[0]["kinds"].count("ssm.gated_delta") == len(systems[0]["kinds"]) // 2  # the target's and the draft's
+    head = list(tokenizer.apply_chat_template(_chat(PROMPTS[0]), add_generation_prompt=True))[:n_system]
+    with PromptStore(store) as ps:
+        layers = ps.get(ident, head)
+    assert layers is not None, "no entry of the system prompt"
+    n = len(target.layers)
+    assert len(layers) == 2 * n
+    assert_greedy(target, target, layers[:n], head, n_system + 1)  # one forward of the system prompt
+    assert_greedy(target, target, layers[n:], head, n_system + 1)
+
+    with Server(store, model, log, *draft) as srv:
+        again = srv.chat(_chat(later), max_tokens=12)  # memory is empty: the system checkpoint comes from the store
+        assert cached(again) == cached(want_later) == n_system
+        assert text(again) == text(want_later)
+    second = srv.stop()["cache"]
+    assert second["store_hits"] == 1 and second["errors"] == 0
     assert cli_json(store, "verify")["ok"]
 
 
@@ -235,7 +293,9 @@ def test_a_stop_string_mid_round_is_answered_as_without_a_draft_and_cached(tmp_p
     assert got["usage"] == want["usage"]
     assert counters["errors"] == 0 and counters["write_failed"] == 0
     taken = prompt + answer[: at + 1]  # what mlx-lm's server inserts: the prompt and every token it took
-    assert sorted(d["tokens"] for d in cli_json(store, "ls")) == [len(prompt) - 1, len(taken)]
+    docs = sorted((d["tokens"], d["meta"]["cache_type"]) for d in cli_json(store, "ls"))
+    assert [n for n, _ in docs[1:]] == [len(prompt) - 1, len(taken)]
+    assert docs[0][1] == "system" and 0 < docs[0][0] < len(prompt) - 1  # and the system prompt's checkpoint
     with PromptStore(store) as ps:
         layers = ps.get(f"{fp}+draft:{fp}", taken)
     assert layers is not None, "no entry of prompt + the tokens taken"

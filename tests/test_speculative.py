@@ -107,7 +107,9 @@ def test_caches_cover_prompt_and_tokens_but_the_last():
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_stop_tokens_and_absorb_last_leave_caches_over_every_yielded_token(arch):
     """What a serving loop needs: generation ends at the first stop token, and
-    the caches cover the prompt and every yielded token (the last one too)."""
+    the caches cover the prompt and every yielded token (the last one too).
+    ``on_prefilled`` sees both caches at each prefill break (4: the others are
+    outside the prompt but its last token) and at the prompt but its last token."""
     plain, target, draft = models(arch)
     ref = greedy_reference(arch)
     k = next(i for i in range(5, len(ref)) if ref[i] not in ref[:i])
@@ -119,11 +121,12 @@ def test_stop_tokens_and_absorb_last_leave_caches_over_every_yielded_token(arch)
             for t, _, _ in speculative_generate_step(
                 mx.array(PROMPT), target, draft, num_draft_tokens=3, max_tokens=MAX_TOKENS,
                 prompt_cache=cache, draft_cache=dcache, stop_tokens=stop, absorb_last=True,
-                on_prefilled=lambda: prefilled.append([c.offset for c in cache + dcache]),
+                on_prefilled=lambda n: prefilled.append([n] + [c.offset for c in cache + dcache]),
+                prefill_breaks=(0, 4, len(PROMPT) - 1, 99),
             )
         ]
         assert tokens == want
-        assert prefilled == [[len(PROMPT) - 1] * 8]
+        assert prefilled == [[4] * 9, [len(PROMPT) - 1] * 9]
         covered = len(PROMPT) + len(tokens)
         assert [c.offset for c in cache + dcache] == [covered] * 8
         assert not any(c.in_round for c in cache + dcache if isinstance(c, SSMCache))

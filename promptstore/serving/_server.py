@@ -169,7 +169,8 @@ def _run(mlx_server, host: str, port: int, model_provider, store: Optional[Promp
              cache.checkpoints or "unbounded")
     fetches = _Fetches(cache)
     mlx_server.stream_generate = make_stream_generate(
-        mlx_server.stream_generate, counters if counters is not None else DraftCounters(), fetches.checkpoint
+        mlx_server.stream_generate, counters if counters is not None else DraftCounters(), fetches.checkpoint,
+        fetches.breaks,
     )
     try:
         group = mx.distributed.init()
@@ -189,9 +190,11 @@ def _run(mlx_server, host: str, port: int, model_provider, store: Optional[Promp
 
 class _Fetches:
     """The PersistentPromptCache as the server sees it, remembering on each
-    thread the model key and prompt of its last ``fetch_nearest_cache``, so
-    that a speculative request can checkpoint its prompt (mlx-lm's
-    ``_serve_single`` caches only prompt + answer)."""
+    thread the model key, prompt and cached prefix of its last
+    ``fetch_nearest_cache``, and where that prompt's system prompt ends, so
+    that a request served alone can checkpoint its prompt, and a speculative
+    one its system prompt too (mlx-lm's ``_serve_single`` caches only prompt
+    + answer)."""
 
     def __init__(self, cache: PersistentPromptCache):
         self._cache = cache
@@ -203,16 +206,34 @@ class _Fetches:
     def __len__(self) -> int:
         return len(self._cache)
 
-    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
-        self._last.query = (model, list(tokens))
-        return self._cache.fetch_nearest_cache(model, tokens)
+    def note_system(self, prompt: List[int], end: int) -> None:
+        """The system prompt of ``prompt`` (about to be fetched) ends at ``end``."""
+        self._last.system = (list(prompt), end)
 
-    def checkpoint(self, layers: List[Any]) -> None:
-        """Insert ``layers`` as the ``user`` checkpoint of the last fetched
-        prompt (all but its last token); refused, logged, if they cover other."""
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        toks = list(tokens)
+        cache, rest = self._cache.fetch_nearest_cache(model, toks)
+        noted = getattr(self._last, "system", None)
+        self._last.system = None
+        self._last.query = (model, toks, len(toks) - len(rest), noted[1] if noted is not None and noted[0] == toks else 0)
+        return cache, rest
+
+    def breaks(self) -> List[int]:
+        """Where, in what the last fetch left to process, its system prompt ends (if it does)."""
         query = getattr(self._last, "query", None)
-        if query is not None and len(query[1]) > 1:
-            self._cache.insert_cache(query[0], query[1][:-1], layers, cache_type="user")
+        return [query[3] - query[2]] if query is not None and query[2] < query[3] else []
+
+    def checkpoint(self, layers: List[Any], done: int) -> None:
+        """Insert ``layers``, covering ``done`` tokens past the last fetch's
+        cached prefix, as its ``system`` checkpoint when they end there,
+        otherwise its ``user`` one; refused, logged, if they cover other."""
+        query = getattr(self._last, "query", None)
+        if query is None:
+            return
+        model, toks, cached, system = query
+        n = cached + done
+        if 0 < n < len(toks):
+            self._cache.insert_cache(model, toks[:n], layers, cache_type="system" if n == system else "user")
 
 
 def _gated_layers(model_provider) -> Callable[[Any], Union[None, bool, Sequence[bool]]]:
@@ -268,6 +289,9 @@ def _generator_class(mlx_server):
                 raise ValueError("the prompt is empty: there is nothing to generate from")
             if request.request_type == "chat" and vision is None and not self._always_trimmable():
                 segments, types = split_at_messages_end(tokenizer, request.messages, prompt, segments, types)
+                if types[0] == "system" and isinstance(self.prompt_cache, _Fetches):
+                    # for _serve_single, which drops the segments (a speculative request checkpoints it)
+                    self.prompt_cache.note_system(prompt, len(segments[0]))
             return prompt, segments, types, state, vision
 
         def _always_trimmable(self) -> bool:
@@ -275,6 +299,8 @@ def _generator_class(mlx_server):
             known = getattr(self, "_ps_trimmable", None)
             if known is None or known[0] != provider.model_key:
                 cache = make_prompt_cache(provider.model) if provider.model is not None else []
+                if provider.draft_model is not None:  # the key's caches hold the draft's layers too
+                    cache += make_prompt_cache(provider.draft_model)
                 known = self._ps_trimmable = (provider.model_key, _always_trimmable(cache))
             return known[1]
 

@@ -22,6 +22,16 @@ trim, window resolve; ``speculative_generate_step`` with ``absorb_last``),
 so the cache covers exactly those tokens, as greedy decoding of them leaves
 it.
 
+Checkpoints: mlx-lm's ``_serve_single`` inserts only the prompt + answer. The
+serving cache also gets the list once it covers the prompt but its last
+token and, with a draft, at the end of the system prompt: both models'
+prefill pauses there (``prefill_breaks``), so the list then covers exactly
+the system prompt, in the target's layers and the draft's. On a model whose
+cache cannot be trimmed (hybrid, sliding window), whose entries match only
+at their exact length, that checkpoint is what the next request with the
+same system prompt and another conversation starts from, as it is for the
+server's batched requests.
+
 Sliding-window models (gemma3's RotatingKVCache layers) run too: a verify
 round drops the ring's rejected tail for real (``promptstore.ssm._window``),
 so greedy answers equal those without a draft, and the caches stored hold
@@ -52,7 +62,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Generator, List, Optional
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -96,7 +106,8 @@ class DraftCounters:
 
 
 def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
-                         checkpoint: Optional[Callable[[List[Any]], None]] = None) -> Any:
+                         checkpoint: Optional[Callable[[List[Any], int], None]] = None,
+                         breaks: Optional[Callable[[], Sequence[int]]] = None) -> Any:
     """mlx-lm's ``stream_generate`` with speculative requests served here.
 
     mlx-lm's server calls it for the requests it serves one at a time (a
@@ -105,11 +116,20 @@ def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
     Args:
         mlx_stream_generate: mlx-lm's own function (requests without a draft).
         counters: receives each speculative request's rounds and acceptance.
-        checkpoint: called with the server's cache list once it covers the
-            prompt but its last token (what mlx-lm's batched path caches as
-            the ``user`` checkpoint, so a repeated prompt is a hit: on a
-            hybrid model, whose prompt + answer entry cannot be trimmed back,
-            the only one), with a draft or without.
+        checkpoint: called with the server's cache list and the number of
+            tokens of the prompt it was given (what follows the cached
+            prefix) that the list covers: once it covers the prompt but its
+            last token (what mlx-lm's batched path caches as the ``user``
+            checkpoint, so a repeated prompt is a hit: on a hybrid model,
+            whose prompt + answer entry cannot be trimmed back, the only
+            one), with a draft or without; with a draft, at each of
+            ``breaks`` too.
+        breaks: the offsets into that prompt where a speculative request's
+            prefill pauses for ``checkpoint`` (e.g. the end of the system
+            prompt, the checkpoint mlx-lm's batched path writes there); none
+            by default. Requests without a draft run mlx-lm's own prefill,
+            which pauses only every ``prefill_step_size`` tokens: they
+            checkpoint the prompt but its last token alone.
     """
 
     def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
@@ -118,13 +138,14 @@ def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
                 kwargs["prompt_progress_callback"] = _checkpointing(kwargs.get("prompt_progress_callback"),
                                                                     kwargs["prompt_cache"], checkpoint)
             return mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
-        return _speculative(model, tokenizer, prompt, max_tokens, draft_model, counters, checkpoint, **kwargs)
+        return _speculative(model, tokenizer, prompt, max_tokens, draft_model, counters, checkpoint,
+                            () if breaks is None else breaks(), **kwargs)
 
     return stream_generate
 
 
 def _checkpointing(progress: Optional[Callable[[int, int], None]], cache: List[Any],
-                   checkpoint: Callable[[List[Any]], None]) -> Callable[[int, int], None]:
+                   checkpoint: Callable[[List[Any], int], None]) -> Callable[[int, int], None]:
     """mlx-lm's prompt progress callback that also checkpoints ``cache`` when
     it reports all but the prompt's last token done: ``generate_step`` calls
     it after each prefill step, once the step's cache is evaluated (and
@@ -132,7 +153,7 @@ def _checkpointing(progress: Optional[Callable[[int, int], None]], cache: List[A
 
     def report(done: int, total: int) -> None:
         if 0 < done == total - 1:
-            checkpoint(cache)
+            checkpoint(cache, done)
         if progress is not None:
             progress(done, total)
 
@@ -175,7 +196,7 @@ def window_refusal(draft_model: Any, num_draft_tokens: int) -> Optional[str]:
 
 
 def _speculative(model, tokenizer, prompt, max_tokens: int, draft_model, counters: DraftCounters,
-                 checkpoint: Optional[Callable[[List[Any]], None]], *, prompt_cache: Optional[List[Any]] = None, sampler=None, logits_processors=None,
+                 checkpoint: Optional[Callable[[List[Any], int], None]], breaks: Sequence[int], *, prompt_cache: Optional[List[Any]] = None, sampler=None, logits_processors=None,
                  num_draft_tokens: int = 2, prefill_step_size: int = 2048, input_embeddings=None,
                  kv_bits=None, stream=None, **_ignored) -> Generator[Any, None, None]:
     """What mlx-lm's ``stream_generate`` yields, from verify rounds."""
@@ -207,7 +228,7 @@ def _speculative(model, tokenizer, prompt, max_tokens: int, draft_model, counter
         prompt, model, draft_model, num_draft_tokens=num_draft_tokens, max_tokens=limit, sampler=sampler,
         prompt_cache=target, draft_cache=draft, prefill_step_size=prefill_step_size, stats=stats,
         stop_tokens=tokenizer.eos_token_ids, absorb_last=True,
-        on_prefilled=None if checkpoint is None else lambda: checkpoint(cache),
+        on_prefilled=None if checkpoint is None else lambda n: checkpoint(cache, n), prefill_breaks=breaks,
     )
     detokenizer = tokenizer.detokenizer
     try:

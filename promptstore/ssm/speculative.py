@@ -195,14 +195,11 @@ class _OpenRound:
         mx.eval([x.state for x in self._caches[0] + self._caches[1]])
 
 
-def _prefill(model: nn.Module, cache: List[Any], y: mx.array, step: int) -> mx.array:
-    """Process all but the last token of ``y``; return the rest."""
-    while y.size > 1:
-        n = min(step, y.size - 1)
-        model(y[:n][None], cache=cache)
+def _prefill(model: nn.Module, cache: List[Any], y: mx.array, step: int) -> None:
+    """Process ``y``, at most ``step`` tokens a forward."""
+    for i in range(0, y.size, step):
+        model(y[i : i + step][None], cache=cache)
         mx.eval([c.state for c in cache])
-        y = y[n:]
-    return y
 
 
 def speculative_generate_step(
@@ -219,7 +216,8 @@ def speculative_generate_step(
     stats: Optional[SpeculativeStats] = None,
     stop_tokens: Optional[Collection[int]] = None,
     absorb_last: bool = False,
-    on_prefilled: Optional[Callable[[], None]] = None,
+    on_prefilled: Optional[Callable[[int], None]] = None,
+    prefill_breaks: Collection[int] = (),
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Generate tokens speculatively; mlx-lm's ``speculative_generate_step`` contract.
 
@@ -245,8 +243,14 @@ def speculative_generate_step(
             generator after any token) both caches cover the prompt and every
             yielded token (a serving loop stores them under exactly those
             tokens).
-        on_prefilled: called once both caches cover the prompt but its last
-            token (e.g. to checkpoint them), before the first round.
+        on_prefilled: called with the number of prompt tokens both caches
+            cover, once they cover the prompt but its last token (e.g. to
+            checkpoint them), before the first round; and at each of
+            ``prefill_breaks`` before that.
+        prefill_breaks: prompt offsets ``0 < b < len(prompt) - 1`` where
+            both models' prefill pauses (a forward ends there) for
+            ``on_prefilled`` (e.g. the end of a system prompt); others are
+            ignored.
 
     Yields:
         ``(token, logprobs, from_draft)`` per generated token.
@@ -276,10 +280,14 @@ def speculative_generate_step(
         return sampler(logprobs), logprobs
 
     prompt = prompt.astype(mx.uint32)
-    draft_y = _prefill(draft_model, draft_cache, prompt, prefill_step_size)
-    y = _prefill(model, model_cache, prompt, prefill_step_size)
-    if on_prefilled is not None:
-        on_prefilled()
+    start = 0
+    for end in sorted({b for b in prefill_breaks if 0 < b < prompt.size - 1}) + [prompt.size - 1]:
+        _prefill(draft_model, draft_cache, prompt[start:end], prefill_step_size)
+        _prefill(model, model_cache, prompt[start:end], prefill_step_size)
+        start = end
+        if on_prefilled is not None:
+            on_prefilled(end)
+    draft_y = y = prompt[start:]
 
     ntoks = 0
     while ntoks < max_tokens:
