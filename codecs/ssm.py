@@ -66,7 +66,9 @@ class SSMCodec(Codec):
 
     def to_mlx_lm(self, layer):
         """mlx-lm resolves a file's classes by name in its own module: written
-        as the ``ArraysCache(2)`` it mirrors (pending rows folded by the slot reads)."""
+        as the ``ArraysCache(2)`` it mirrors (pending rows folded by the slot
+        reads). An open verify round is refused, as :meth:`encode` refuses it."""
+        layer.check_persistable()
         if layer.batch_size != 1:
             raise InvalidInput(f"an SSMCache batch of {layer.batch_size} rows cannot be written to one mlx-lm file")
         out = ArraysCache(2)

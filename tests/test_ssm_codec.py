@@ -14,6 +14,7 @@ from mlx_lm import load
 from promptstore import PromptStore
 from promptstore.codecs import decode_layer, encode_layer, layer_coverage, storage_kind
 from promptstore.errors import CorruptEntry, CoverageMismatch
+from promptstore.jobs.interop import write_mlx_cache_file
 from promptstore.ssm import RoundError, SSMCache, adapt, make_prompt_cache
 from _bits import bits_equal
 from test_ssm import verify_round
@@ -200,6 +201,10 @@ def test_persisting_an_open_round_is_refused(tmp_path):
         with pytest.raises(RoundError):
             store.put("m@test", PROMPT, cache)
         assert store.get("m@test", PROMPT) is None
+    out = tmp_path / "open.safetensors"
+    with pytest.raises(RoundError):  # nor written as an mlx-lm file: the round's outcome is undecided
+        write_mlx_cache_file(str(out), cache, "m@test", tokens=PROMPT)
+    assert not out.exists() and cache[0].in_round
 
 
 @pytest.mark.shape_dependent
