@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -400,3 +401,33 @@ def test_a_chunked_window_past_its_first_chunk_is_no_remote_prefix(tmp_path, rem
         assert b.lookup(MODEL, query).matched == 64
         hit = b.lookup(MODEL, t[:150] + [7])  # inside the kept chunk: trimmed to 150
         assert hit.matched == 150 and (hit.cache[0].offset, hit.cache[0].start_position) == (150, 136)
+
+
+@pytest.mark.parametrize("call", ["get", "lookup", "peek"])
+def test_close_while_a_read_waits_on_the_remote_is_a_miss(tmp_path, fresh_single, call):
+    """close() from another thread while a read waits on a stalled remote:
+    the read ends as a miss within its timeout. get crashed with
+    AttributeError ('NoneType' has no attribute 'remote'): close() had
+    dropped the tier, which the read went on to use."""
+    b = PromptStore(tmp_path / "b", remote=url_of(fresh_single, f"t{next(_ns)}", timeout=1))
+    assert b.lookup(MODEL, toks(5, seed=1)) is None  # connected
+    out = {}
+
+    def read():
+        try:
+            out["r"] = getattr(b, call)(MODEL, toks(100))
+        except BaseException as err:  # what the caller would get
+            out["r"] = err
+
+    fresh_single.pause()
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        b.close()
+        assert time.monotonic() - start < 1  # close does not wait for the remote
+        reader.join(10)
+    finally:
+        fresh_single.resume()
+    assert out["r"] == {"get": None, "lookup": None, "peek": 0}[call]

@@ -37,11 +37,14 @@ class Client:
         self.url = url
         self._lock = threading.Lock()
         self._conn: Any = None
+        self.closed = False  # closed: every call raises RemoteUnavailable, none connects again
         self.cluster = False
         self.reads = {"direct": 0, "through redis-py": 0}  # get_into calls by the way they read
 
     def _connection(self) -> Any:
         with self._lock:
+            if self.closed:
+                raise RemoteUnavailable(f"remote {self.url}: closed")
             if self._conn is None:
                 self._conn = self._connect()
             return self._conn
@@ -87,6 +90,8 @@ class Client:
                 pass
 
     def close(self) -> None:
+        """Drop the connection for good: a call made later raises RemoteUnavailable."""
+        self.closed = True
         self.reset()
 
     def _pipelined(self, ops: Sequence[Tuple[str, Tuple[Any, ...], Dict[str, Any]]], batch: int = 0) -> List[Any]:

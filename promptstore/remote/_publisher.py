@@ -27,9 +27,14 @@ class Publisher:
         self._q: "queue.Queue[Optional[Callable[[], object]]]" = queue.Queue(maxsize=size)
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
+        self._closed = False
 
     def submit(self, job: Callable[[], object]) -> bool:
-        """Queue ``job`` (one entry's publish); False when the queue is full (dropped)."""
+        """Queue ``job`` (one entry's publish); False when the queue is full,
+        or the publisher closed (a put racing the store's close): dropped."""
+        if self._closed:
+            self.remote.count("dropped")
+            return False
         self._ensure_thread()
         try:
             self._q.put_nowait(job)
@@ -80,7 +85,8 @@ class Publisher:
         return True
 
     def close(self, timeout: float) -> bool:
-        """Flush (at most ``timeout`` seconds), then stop the thread."""
+        """Flush (at most ``timeout`` seconds), then stop the thread; what is submitted later is dropped."""
+        self._closed = True
         done = self.flush(timeout)
         if self._thread is not None and self._thread.is_alive():
             try:

@@ -100,7 +100,9 @@ class Remote:
             log.warning("promptstore: remote %s: %s (counted in stats; further %s errors not logged)", op, err, kind)
 
     def available(self) -> bool:
-        """False while cooling down after the remote was unreachable."""
+        """False while cooling down after the remote was unreachable, and once closed."""
+        if self.client.closed:
+            return False
         if time.monotonic() < self._down_until:
             self.count("skipped")
             return False
@@ -278,6 +280,14 @@ class Remote:
         self.count("bytes_fetched", sum(need.values()))
         self.count("blocks_reused", len(found.manifest.parts()) - len(need))
         return cache
+
+    def read_exact(self, key: Key) -> Optional[Tuple[Found, List[Any]]]:
+        """The remote entry of exactly ``key.tokens``, fetched: ``(found,
+        cache)``, or None (a miss, counted; failures counted by kind)."""
+        found = self.get(key)
+        cache = None if found is None else self.fetch(found)
+        self.count("misses" if cache is None else "hits")
+        return None if found is None or cache is None else (found, cache)
 
     def read_through(self, key: Key, better_than: int = 0, local_cache: Optional[Sequence[Any]] = None) -> Optional[Tuple[Found, List[Any]]]:
         """Find and fetch the best remote entry for ``key.tokens`` covering

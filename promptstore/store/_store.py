@@ -24,7 +24,7 @@ from promptstore.codecs import detached, encode_layer, is_trimmable, layers_of
 from promptstore.errors import InvalidInput
 from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.identity import model_name_of
-from promptstore.remote import RemoteTier, RemoteURL, open_remote
+from promptstore.remote import Found, RemoteTier, RemoteURL, open_remote
 from promptstore.store import _keys
 from promptstore.store._budget import check_budget
 from promptstore.store._capacity import Capacity
@@ -248,9 +248,10 @@ class PromptStore:
         encoded = [encode_layer(layer) for layer in layers]
         trimmable = is_trimmable(layers)
         name = model_name_of(model)
+        tier = self._remote
         done = self._writer.put(model, name, toks, encoded, trimmable, dict(meta or {}))
-        if publish and self._remote is not None:  # write-behind: never waits on the network
-            self._remote.publish_later(remote_key(model, toks), name, detached(encoded), trimmable, dict(meta or {}), done.created)
+        if publish and tier is not None:  # write-behind: never waits on the network
+            tier.publish_later(remote_key(model, toks), name, detached(encoded), trimmable, dict(meta or {}), done.created)
         return EntryInfo(
             id=done.entry_id,
             model=model,
@@ -350,12 +351,10 @@ class PromptStore:
         toks = _keys.as_tokens(tokens)
         hit = self._reader.again(lambda lost: self._finder.exact(self.env, model, toks, lost))
         self._flush_soon()
-        if hit is None and self._remote is not None:
-            found = self._remote.remote.get(remote_key(model, toks))
-            fetched = None if found is None else self._remote.remote.fetch(found)
-            self._remote.remote.count("misses" if fetched is None else "hits")
-            if found is not None and fetched is not None:
-                hit = self._adopt(model, found.manifest, fetched, found.matched)
+        tier = self._remote  # read once: close() in another thread drops it
+        if hit is None and tier is not None:
+            got = tier.remote.read_exact(remote_key(model, toks))
+            hit = None if got is None else self._adopt(model, tier, *got)
         return None if hit is None else hit.cache
 
     def peek(self, model: str, tokens: _keys.Tokens) -> int:
@@ -365,8 +364,9 @@ class PromptStore:
         """
         toks = _keys.as_tokens(tokens)
         local = self._finder.peek(self.env, model, toks)
-        if self._remote is not None and local < len(toks):
-            found = self._remote.remote.find(remote_key(model, toks), local)
+        tier = self._remote
+        if tier is not None and local < len(toks):
+            found = tier.remote.find(remote_key(model, toks), local)
             return found.matched if found is not None else local
         return local
 
@@ -392,22 +392,20 @@ class PromptStore:
         toks = _keys.as_tokens(tokens)
         hit = self._reader.again(lambda lost: self._finder.longest(self.env, model, toks, lost))
         self._flush_soon()
-        if self._remote is not None and (hit is None or hit.matched < len(toks)):
-            got = self._remote.remote.read_through(remote_key(model, toks), hit.matched if hit else 0, hit.cache if hit else None)
+        tier = self._remote
+        if tier is not None and (hit is None or hit.matched < len(toks)):
+            got = tier.remote.read_through(remote_key(model, toks), hit.matched if hit else 0, hit.cache if hit else None)
             if got is not None:
-                found, cache = got
-                return self._adopt(model, found.manifest, cache, found.matched) or hit
+                return self._adopt(model, tier, *got) or hit
         return hit
 
     # -- the remote tier -----------------------------------------------------------
 
-    def _adopt(self, model: str, man: Any, cache: List[Any], matched: int) -> Optional[Hit]:
-        """A fetched remote entry, written to this store (see :func:`adopt`)."""
-        def put(model: str, toks: Any, cache: List[Any], meta: Dict[str, Any], n: int) -> EntryInfo:
-            return self._put(model, toks, cache, meta, n, publish=False)
-
-        tier = self._remote.remote if self._remote is not None else None
-        return adopt(model, man, cache, matched, None if self.env.readonly else put, tier)
+    def _adopt(self, model: str, tier: RemoteTier, found: Found, cache: List[Any]) -> Optional[Hit]:
+        """A remote entry ``tier`` fetched, written to this store, not published
+        again (see :func:`adopt`). StoreClosed: the store closed meanwhile."""
+        put = None if self.env.readonly else functools.partial(self._put, publish=False)
+        return adopt(model, found.manifest, cache, found.matched, put, tier.remote)
 
     def load(self, key: str, model: Optional[str] = None) -> Tuple[List[Any], EntryInfo, List[int]]:
         """Restore an entry by id: ``(cache, info, tokens)``.
