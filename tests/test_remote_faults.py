@@ -5,6 +5,7 @@ counted in the tier's stats."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import mlx.core as mx
@@ -467,3 +468,53 @@ def test_ls_remote_skips_a_key_of_another_type(tmp_path, redis_single):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "300" in out.stdout
+
+
+def test_an_error_reply_keeps_the_connection_and_a_reset_spares_calls_in_flight(tmp_path, redis_binary):
+    """A publish refused with an error reply (OOM, under noeviction) reset the
+    tier's connection: a fetch in flight on another thread died with it
+    (counted unavailable) and every read was then skipped for 5 s. An error
+    reply leaves the connection in step, so it stays; a reset (after a
+    connection failure) lets the calls in flight on the old one finish."""
+    server = start_server(redis_binary, tmp_path / "redis", extra=["--maxmemory-policy", "noeviction"])
+    try:
+        url = url_of(server, "oomreset", timeout=3)
+        t, cache = published(tmp_path, url, n=2000, seed=1)
+        r = server.client()
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 200_000)  # full: publishes are refused
+        with PromptStore(tmp_path / "b", remote=url) as b:
+            rem = b.remote.remote
+            found = rem.get(remote_key(MODEL, np.asarray(t, dtype=np.uint32)))
+            assert rem.fetch(found) is not None
+            connections = r.info("stats")["total_connections_received"]
+            b.put(MODEL, toks(700, seed=2), noise_cache(700, seed=2))
+            assert b.remote.flush(10) and b.remote.stats()["errors.full"] == 1
+            assert rem.fetch(found) is not None
+            assert r.info("stats")["total_connections_received"] == connections  # the same connection
+            stop, failed = time.monotonic() + 1.5, []
+
+            def fetch():
+                while time.monotonic() < stop:
+                    failed.extend([1] if rem.fetch(found) is None else [])
+
+            fetcher = threading.Thread(target=fetch)
+            fetcher.start()
+            for i in itertools.count(3):  # publishes refused while the fetches go on
+                if time.monotonic() > stop:
+                    break
+                b.put(MODEL, toks(700, seed=i), noise_cache(700, seed=i))
+                assert b.remote.flush(10)
+            fetcher.join()
+            st = b.remote.stats()
+            assert not failed and "errors.unavailable" not in st and "skipped" not in st, st
+            server.pause()  # a fetch waits for its reply while the connection is reset
+            got = {}
+            fetcher = threading.Thread(target=lambda: got.update(c=rem.fetch(found)))
+            fetcher.start()
+            time.sleep(0.3)
+            rem.client.reset()
+            server.resume()
+            fetcher.join(10)
+            same(got["c"], cache)
+    finally:
+        server.kill()

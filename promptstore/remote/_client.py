@@ -4,14 +4,20 @@ Every call is bounded: connect and socket timeouts are the URL's
 ``timeout``, a single server gets no retries, a cluster one retry (to follow
 a topology change: MOVED/ASK are followed by redis-py itself). Whatever
 fails (refused, timed out, a node down, the cluster down, an error reply)
-is RemoteUnavailable, and the next call connects afresh, so a cluster that
-changed is discovered again. Commands are pipelined in batches: a cluster
-pipeline sends each node its share, all nodes at once, then reads.
+is RemoteUnavailable, unless ``_failure`` names it otherwise. After a
+failed connection (refused, timed out, a node or the cluster down) the
+next call connects afresh, so a cluster that changed is discovered again;
+the calls of other threads in flight on the old connection finish first
+(the last closes it). An error reply leaves the connection as it is: it is
+in step, and other threads' calls go on over it. Commands are pipelined in
+batches: a cluster pipeline sends each node its share, all nodes at once,
+then reads.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from promptstore.errors import RemoteCorrupt, RemoteError, RemoteFull, RemoteUnavailable, RemoteURLError
@@ -30,24 +36,46 @@ BATCH = 256  # commands per pipeline round trip
 GET_BATCH = 4096  # reads of one fetch: one round trip (blocks are at most a few MB each)
 
 
+class _Held:
+    """A redis-py client and how many calls use it. Closing it closes every
+    connection of its pool, those other threads' calls read from too: a
+    reset retires it, and the last call using it closes it."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.users = 0
+        self.retired = False
+
+
 class Client:
     """Pipelined reads and writes of raw keys, with bounded timeouts."""
 
     def __init__(self, url: RemoteURL):
         self.url = url
         self._lock = threading.Lock()
-        self._conn: Any = None
+        self._held: Optional[_Held] = None
         self.closed = False  # closed: every call raises RemoteUnavailable, none connects again
         self.cluster = False
         self.reads = {"direct": 0, "through redis-py": 0}  # get_into calls by the way they read
 
-    def _connection(self) -> Any:
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """The redis-py client (connected on first use), held for one call."""
         with self._lock:
             if self.closed:
                 raise RemoteUnavailable(f"remote {self.url}: closed")
-            if self._conn is None:
-                self._conn = self._connect()
-            return self._conn
+            if self._held is None:
+                self._held = _Held(self._connect())
+            held = self._held
+            held.users += 1
+        try:
+            yield held.conn
+        finally:
+            with self._lock:
+                held.users -= 1
+                last = held.retired and not held.users
+            if last:
+                _close(held.conn)
 
     def _connect(self) -> Any:
         if redis is None:
@@ -80,14 +108,23 @@ class Client:
             raise _failure(u, err) from err
 
     def reset(self) -> None:
-        """Drop the connection; the next call connects (and discovers) again."""
+        """Drop the connection; the next call connects (and discovers) again.
+        Calls in flight on it finish first (the last one closes it)."""
         with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
+            held, self._held = self._held, None
+            if held is None:
+                return
+            held.retired = True
+            last = not held.users
+        if last:
+            _close(held.conn)
+
+    def _failed(self, err: Exception) -> RemoteError:
+        """The error to raise for ``err``; the connection is reset, unless the
+        server answered with an error reply (the connection is in step)."""
+        if not _answered(err):
+            self.reset()
+        return _failure(self.url, err)
 
     def close(self) -> None:
         """Drop the connection for good: a call made later raises RemoteUnavailable."""
@@ -99,17 +136,16 @@ class Client:
         out: List[Any] = []
         if not ops:
             return out
-        conn = self._connection()
-        try:
-            step = batch or BATCH
-            for i in range(0, len(ops), step):
-                pipe = conn.pipeline(transaction=False)
-                for name, args, kwargs in ops[i : i + step]:
-                    getattr(pipe, name)(*args, **kwargs)
-                out.extend(pipe.execute(raise_on_error=True))
-        except Exception as err:
-            self.reset()
-            raise _failure(self.url, err) from err
+        with self._connection() as conn:
+            try:
+                step = batch or BATCH
+                for i in range(0, len(ops), step):
+                    pipe = conn.pipeline(transaction=False)
+                    for name, args, kwargs in ops[i : i + step]:
+                        getattr(pipe, name)(*args, **kwargs)
+                    out.extend(pipe.execute(raise_on_error=True))
+            except Exception as err:
+                raise self._failed(err) from err
         return out
 
     def get(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
@@ -126,18 +162,17 @@ class Client:
         """
         if not keys:
             return []
-        conn = self._connection()
-        try:
-            found = _direct.get_into(conn, self.cluster, keys, sinks)
-            self.reads["direct"] += 1
-            return found
-        except _direct.Unsupported:
-            self.reads["through redis-py"] += 1  # read through redis-py below
-        except _direct.WrongSize as err:
-            raise RemoteCorrupt(f"remote key {keys[err.index]!r}: {err} (truncated?)") from err
-        except Exception as err:
-            self.reset()
-            raise _failure(self.url, err) from err
+        with self._connection() as conn:
+            try:
+                found = _direct.get_into(conn, self.cluster, keys, sinks)
+                self.reads["direct"] += 1
+                return found
+            except _direct.Unsupported:
+                self.reads["through redis-py"] += 1  # read through redis-py below
+            except _direct.WrongSize as err:
+                raise RemoteCorrupt(f"remote key {keys[err.index]!r}: {err} (truncated?)") from err
+            except Exception as err:
+                raise self._failed(err) from err
         found = []
         for key, value, sink in zip(keys, self.get(keys), sinks):
             if value is None:
@@ -171,23 +206,41 @@ class Client:
 
     def scan(self, pattern: bytes, count: int = 1000) -> Iterator[bytes]:
         """Every key matching ``pattern`` (on every master of a cluster)."""
-        conn = self._connection()
-        try:
-            yield from conn.scan_iter(match=pattern, count=count)
-        except Exception as err:
-            self.reset()
-            raise _failure(self.url, err) from err
+        with self._connection() as conn:
+            try:
+                yield from conn.scan_iter(match=pattern, count=count)
+            except Exception as err:
+                raise self._failed(err) from err
 
     def memory(self) -> List[Dict[str, Any]]:
         """``INFO memory`` of the server, or of every master."""
-        conn = self._connection()
-        try:
-            if self.cluster:
-                return list(conn.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
-            return [conn.info("memory")]
-        except Exception as err:
-            self.reset()
-            raise _failure(self.url, err) from err
+        with self._connection() as conn:
+            try:
+                if self.cluster:
+                    return list(conn.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
+                return [conn.info("memory")]
+            except Exception as err:
+                raise self._failed(err) from err
+
+
+def _close(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:
+        pass
+
+
+def _answered(err: Exception) -> bool:
+    """Whether ``err`` is the server's error reply to a command (redis-py's
+    ResponseError, the direct read's ReplyError), which leaves the
+    connection in step: not a failed connection or a timeout, nor a cluster
+    whose slots are moving or uncovered (CLUSTERDOWN, TRYAGAIN, a redirect
+    not followed), after which the cluster is discovered again."""
+    if isinstance(err, _direct.ReplyError):
+        return True
+    if redis is None or not isinstance(err, redis.ResponseError):
+        return False
+    return not isinstance(err, (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.AskError))
 
 
 def _failure(url: RemoteURL, err: Exception) -> RemoteError:
@@ -199,7 +252,7 @@ def _failure(url: RemoteURL, err: Exception) -> RemoteError:
     tier then cools down). A pipeline's error names its command and its
     arguments (a block's bytes): only the reply is kept."""
     text = str(err).split(" of pipeline caused error: ", 1)[-1][:300]
-    reply = type(err).__name__ in ("ResponseError", "ReplyError", "OutOfMemoryError")
+    reply = _answered(err)
     if "WRONGTYPE" in text and reply:
         return RemoteCorrupt(f"remote {url}: a key holds a value of another type ({text})")
     if reply and (type(err).__name__ == "OutOfMemoryError" or text.startswith("OOM") or "> 'maxmemory'" in text):
