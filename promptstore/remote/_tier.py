@@ -175,7 +175,8 @@ class Remote:
         toks, h = key.tokens, key.hashes
         n_query = len(toks)
         nodes = list(range(n_query // NODE, better_than // NODE - 1, -1))
-        ends = self.client.hgetall([self.layout.ends(key.mid, int(h[k * NODE]), k) for k in nodes])
+        ends = self._batch(self.client.hgetall, [self.layout.ends(key.mid, int(h[k * NODE]), k) for k in nodes], {},
+                           "errors.corrupt_index")
         exact: List[Tuple[int, bytes]] = []
         for fields in ends:
             for field, value in fields.items():
@@ -188,7 +189,8 @@ class Remote:
                     exact.append((n, ekey))
         exact.sort(reverse=True)
         trim_nodes = [k for k in nodes if k >= 1]
-        reps = self.client.get([self.layout.trims(key.mid, int(h[k * NODE]), k) for k in trim_nodes])
+        reps = self._batch(self.client.get, [self.layout.trims(key.mid, int(h[k * NODE]), k) for k in trim_nodes], None,
+                           "errors.corrupt_index")
         rep = next((_ekey(r) for r in reps if r is not None and _ekey(r) is not None), None)
         # Manifests are read MAX_CANDIDATES at a time, longest first, until that
         # many are readable: index records are never removed, so those of
@@ -202,7 +204,7 @@ class Remote:
             if not wanted:
                 break
             readable = 0
-            for ekey, raw in zip(wanted, self.client.get([self.layout.manifest(e) for e in wanted])):
+            for ekey, raw in zip(wanted, self._batch(self.client.get, [self.layout.manifest(e) for e in wanted], b"")):
                 if raw is None:  # evicted or deleted: the index record is stale
                     self.count("stale_index")
                     continue
@@ -309,12 +311,26 @@ class Remote:
         self.count("misses")
         return None
 
-    def _get_one(self, key: bytes) -> Optional[bytes]:
-        """One key's value; b"" (corrupt when decoded) for a key of another type."""
+    def _batch(self, read: Callable[[List[bytes]], List[Any]], keys: List[bytes], bad: Any, count: str = "") -> List[Any]:
+        """``read(keys)``, pipelined; when the server refuses the batch for a key
+        of another type (RemoteCorrupt), the keys one at a time, ``bad`` (and
+        a ``count``) for each such key, so one damaged key hides no other.
+
+        Raises:
+            RemoteUnavailable
+        """
         try:
-            return self.client.get([key])[0]
+            return read(keys)
         except RemoteCorrupt:
-            return b""
+            out: List[Any] = []
+            for k in keys:
+                try:
+                    out.extend(read([k]))
+                except RemoteCorrupt:
+                    out.append(bad)
+                    if count:
+                        self.count(count)
+            return out
 
     def entries(self) -> Iterator[Tuple[bytes, _wire.RManifest]]:
         """Every readable manifest of the namespace (a scan: for ``ls --remote``).
@@ -325,11 +341,7 @@ class Remote:
         keys = list(self.client.scan(self.layout.manifest_pattern()))
         for i in range(0, len(keys), 256):
             batch = keys[i : i + 256]
-            try:
-                values = self.client.get(batch)
-            except RemoteCorrupt:  # a key of another type: the batch's keys one at a time
-                values = [self._get_one(k) for k in batch]
-            for k, raw in zip(batch, values):
+            for k, raw in zip(batch, self._batch(self.client.get, batch, b"")):  # b"": corrupt when decoded
                 if raw is None:  # evicted or deleted since the scan
                     self.count("stale_index")
                     continue
