@@ -55,3 +55,28 @@ def test_a_key_of_another_type_hides_no_other_entry(tmp_path, redis_single, dama
         st = b.remote.stats()
         assert "errors.unavailable" not in st and st.get("skipped", 0) == 0, st
         assert st.get("errors.corrupt" if damaged == "manifest" else "errors.corrupt_index", 0) == 1, st
+
+
+def test_a_lookup_falls_back_past_a_round_of_entries_that_lost_blocks(tmp_path, redis_single):
+    """Five nested entries, each of the four longest missing a block (as
+    eviction leaves them): the lookup read one round of four manifests,
+    failed to fetch all four and missed. It reads the next round and
+    restores the fifth."""
+    ns = f"fb{next(_ns)}"
+    url = url_of(redis_single, ns)
+    t = toks(500, seed=6)
+    caches = {n: noise_cache(n, n) for n in range(100, 501, 100)}  # no block shared between entries
+    with PromptStore(tmp_path / "a", remote=url) as a:
+        for n, cache in caches.items():
+            a.put(MODEL, t[:n], cache)
+        assert a.remote.flush(10) and a.remote.stats().get("errors", 0) == 0
+        rem = a.remote.remote
+        for n in range(200, 501, 100):
+            found = rem.get(remote_key(MODEL, np.asarray(t[:n], dtype=np.uint32)))
+            assert redis_single.client().delete(rem.layout.block(found.manifest.parts()[0][0])) == 1
+    with PromptStore(tmp_path / "b", remote=url) as b:
+        hit = b.lookup(MODEL, t + [1])
+        assert hit is not None and hit.matched == 100
+        same(hit.cache, caches[100])
+        st = b.remote.stats()
+        assert st["errors.missing"] == 4 and st["hits"] == 1 and "misses" not in st, st

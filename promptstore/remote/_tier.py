@@ -35,7 +35,7 @@ log = logging.getLogger("promptstore")
 
 COOLDOWN = 5.0  # seconds a remote found unreachable is left alone
 MAX_CANDIDATES = 4  # exact-prefix manifests read per round of a lookup
-MANIFEST_ROUNDS = 4  # rounds of a lookup while index records name evicted manifests
+MANIFEST_ROUNDS = 4  # rounds of a lookup while index records name evicted manifests, or entries lost blocks
 
 
 @dataclass(frozen=True)
@@ -162,16 +162,29 @@ class Remote:
         """The remote entries that could serve ``key.tokens`` beyond
         ``better_than`` tokens, their manifests read and checked, most tokens
         first: a fetch that fails (a block evicted) falls back to the next.
-        Empty on a miss or any failure (counted)."""
-        if not self.available():
-            return []
-        try:
-            return self._find(key, better_than)
-        except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
-            self.failed("lookup", err)
-            return []
+        Empty on a miss or any failure (counted). The first round of
+        :meth:`rounds`."""
+        return next(self.rounds(key, better_than), [])
 
-    def _find(self, key: Key, better_than: int) -> List[Found]:
+    def rounds(self, key: Key, better_than: int = 0) -> Iterator[List[Found]]:
+        """:meth:`candidates`, then, each time the caller asks for more, the
+        next shorter ones (the next round of manifests read, at most
+        ``MANIFEST_ROUNDS`` in all): for a caller whose fetches of every
+        candidate failed (their blocks evicted). A failure ends them (counted)."""
+        if not self.available():
+            return
+        found = self._find(key, better_than)
+        while True:
+            try:
+                batch = next(found, None)
+            except (RemoteError, CorruptEntry, UnsupportedVersion, UnknownStorageKind) as err:
+                self.failed("lookup", err)
+                return
+            if batch is None:
+                return
+            yield batch
+
+    def _find(self, key: Key, better_than: int) -> Iterator[List[Found]]:
         toks, h = key.tokens, key.hashes
         n_query = len(toks)
         nodes = list(range(n_query // NODE, better_than // NODE - 1, -1))
@@ -194,7 +207,9 @@ class Remote:
         rep = next((_ekey(r) for r in reps if r is not None and _ekey(r) is not None), None)
         # Manifests are read MAX_CANDIDATES at a time, longest first, until that
         # many are readable: index records are never removed, so those of
-        # evicted entries must not hide the shorter entries still stored.
+        # evicted entries must not hide the shorter entries still stored. What
+        # was found is then yielded; asked for more (every fetch of it failed),
+        # the next rounds are read.
         found: List[Found] = []
         pending = [e for _, e in exact]
         if rep is not None and rep not in pending:
@@ -224,9 +239,10 @@ class Remote:
                     # A prefix of a longer entry fetches only the blocks it needs.
                     found.append(Found(ekey, man.prefix(usable) or man, usable))
             if readable == len(wanted):
-                break
-        found.sort(key=lambda f: f.matched, reverse=True)
-        return found
+                yield sorted(found, key=lambda f: f.matched, reverse=True)
+                found = []
+        if found:
+            yield sorted(found, key=lambda f: f.matched, reverse=True)
 
     def get(self, key: Key) -> Optional[Found]:
         """The remote entry of exactly ``key.tokens``, its manifest checked; None on a miss or failure."""
@@ -297,17 +313,21 @@ class Remote:
         restored ``local_cache`` lends the blocks it shares): ``(found,
         cache)``, or None (a miss, counted; failures counted by kind)."""
         local = None
-        for found in self.candidates(key, better_than):
-            if local is None:
-                local = {}
-                if local_cache is not None and better_than > 0:
-                    local = local_blocks(local_cache, key.tokens[:better_than], key.model)
-            cache = self.fetch(found, local)  # None: failed (counted)
-            if cache is not None:
-                self.count("hits")
-                return found, cache
-            if time.monotonic() < self._down_until:
-                break  # unreachable: the next candidate would wait out the same timeout
+        for batch in self.rounds(key, better_than):
+            for found in batch:
+                if local is None:
+                    local = {}
+                    if local_cache is not None and better_than > 0:
+                        local = local_blocks(local_cache, key.tokens[:better_than], key.model)
+                cache = self.fetch(found, local)  # None: failed (counted)
+                if cache is not None:
+                    self.count("hits")
+                    return found, cache
+                if time.monotonic() < self._down_until:
+                    break  # unreachable: the next candidate would wait out the same timeout
+            else:
+                continue  # every fetch of this round failed: the next round
+            break
         self.count("misses")
         return None
 
