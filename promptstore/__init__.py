@@ -23,6 +23,7 @@ from promptstore.errors import (
     RemoteError,
     RemoteFull,
     RemoteMissing,
+    RemoteRefused,
     RemoteUnavailable,
     RemoteURLError,
     RoundError,

@@ -23,7 +23,8 @@ Messages say what failed, where (path or key) and what to do about it.
         ├── RemoteUnavailable   cannot connect, timed out, node or cluster down
         ├── RemoteCorrupt       (also CorruptEntry) a value fails its check
         ├── RemoteMissing       a manifest names a block the remote no longer holds
-        ├── RemoteFull          the remote refused a write: its memory is full (noeviction)
+        ├── RemoteRefused       the remote refused a write (read-only replica, MISCONF, NOPERM)
+        │   └── RemoteFull      its memory is full (noeviction)
         └── RemoteURLError      (also InvalidInput) a remote URL the tier cannot use
 """
 
@@ -49,6 +50,7 @@ __all__ = [
     "RemoteUnavailable",
     "RemoteCorrupt",
     "RemoteMissing",
+    "RemoteRefused",
     "RemoteFull",
     "RemoteURLError",
 ]
@@ -157,7 +159,16 @@ class RemoteMissing(RemoteError):
     kind = "missing"
 
 
-class RemoteFull(RemoteError):
+class RemoteRefused(RemoteError):
+    """The remote answered a write with an error reply: a read-only replica
+    (``READONLY``), a master that stopped accepting writes (``MISCONF``,
+    ``NOREPLICAS``), a user without write permission (``NOPERM``). The
+    publish is counted and dropped; reads go on, without a cool-down."""
+
+    kind = "refused"
+
+
+class RemoteFull(RemoteRefused):
     """The remote refused a write because its memory is full (``maxmemory``
     with the ``noeviction`` policy, Redis's ``OOM`` reply): the publish is
     counted and dropped; reads go on."""

@@ -518,3 +518,37 @@ def test_an_error_reply_keeps_the_connection_and_a_reset_spares_calls_in_flight(
             same(got["c"], cache)
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("refusal", ["replica", "noperm"])
+def test_a_refused_write_is_counted_and_reads_go_on(tmp_path, redis_binary, refusal):
+    """A publish refused with an error reply other than OOM (a URL naming a
+    read-only replica: READONLY; a user allowed to read only: NOPERM) was
+    taken for an unreachable remote, and reads that work were skipped for
+    5 s. It is a refused write, counted as errors.refused, with no cool-down."""
+    primary = start_server(redis_binary, tmp_path / "redis")
+    servers = [primary]
+    try:
+        t, cache = published(tmp_path, url_of(primary, "refused"), n=300, seed=1)
+        if refusal == "replica":
+            servers.append(start_server(redis_binary, tmp_path / "redis", extra=["--replicaof", "127.0.0.1", str(primary.port)]))
+            deadline = time.monotonic() + 20
+            while servers[1].client().dbsize() < primary.client().dbsize():  # the replica has synced
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            url = url_of(servers[1], "refused")
+        else:
+            primary.client().execute_command("ACL", "SETUSER", "reader", "on", ">pw", "~refused:*", "+get", "+exists", "+hgetall",
+                                             "+info", "+command")
+            url = f"redis://reader:pw@127.0.0.1:{primary.port}/0?ns=refused"
+        with PromptStore(tmp_path / "b", remote=url) as b:
+            b.put(MODEL, toks(50, seed=9), kv_cache(50, seed=9))
+            assert b.remote.flush(10)
+            hit = b.lookup(MODEL, t)  # at once: no cool-down
+            assert hit is not None and hit.matched == 300
+            same(hit.cache, cache)
+            st = b.remote.stats()
+            assert st.get("errors.refused") == 1 and "errors.unavailable" not in st and "skipped" not in st, st
+    finally:
+        for server in servers:
+            server.kill()

@@ -7,7 +7,9 @@ checked, written locally and restored. Layout of the keys: ``_layout``; the
 values: ``_wire``; faults: every one is a miss, counted (``_tier``).
 """
 
-from promptstore.errors import RemoteCorrupt, RemoteError, RemoteFull, RemoteMissing, RemoteUnavailable, RemoteURLError
+from promptstore.errors import (
+    RemoteCorrupt, RemoteError, RemoteFull, RemoteMissing, RemoteRefused, RemoteUnavailable, RemoteURLError,
+)
 from promptstore.remote._layout import Layout
 from promptstore.remote._open import ENV, RemoteTier, open_remote
 from promptstore.remote._tier import Found, Key, Remote
@@ -23,6 +25,7 @@ __all__ = [
     "RemoteError",
     "RemoteMissing",
     "RemoteFull",
+    "RemoteRefused",
     "RemoteTier",
     "RemoteURL",
     "RemoteURLError",

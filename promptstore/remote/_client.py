@@ -3,15 +3,15 @@
 Every call is bounded: connect and socket timeouts are the URL's
 ``timeout``, a single server gets no retries, a cluster one retry (to follow
 a topology change: MOVED/ASK are followed by redis-py itself). Whatever
-fails (refused, timed out, a node down, the cluster down, an error reply)
-is RemoteUnavailable, unless ``_failure`` names it otherwise. After a
-failed connection (refused, timed out, a node or the cluster down) the
-next call connects afresh, so a cluster that changed is discovered again;
-the calls of other threads in flight on the old connection finish first
-(the last closes it). An error reply leaves the connection as it is: it is
-in step, and other threads' calls go on over it. Commands are pipelined in
-batches: a cluster pipeline sends each node its share, all nodes at once,
-then reads.
+fails (refused, timed out, a node down, the cluster down, an error reply
+to a read) is RemoteUnavailable; an error reply to a write is RemoteRefused
+(``_failure`` tells them apart). After a failed connection (refused, timed
+out, a node or the cluster down) the next call connects afresh, so a
+cluster that changed is discovered again; the calls of other threads in
+flight on the old connection finish first (the last closes it). An error
+reply leaves the connection as it is: it is in step, and other threads'
+calls go on over it. Commands are pipelined in batches: a cluster pipeline
+sends each node its share, all nodes at once, then reads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from promptstore.errors import RemoteCorrupt, RemoteError, RemoteFull, RemoteUnavailable, RemoteURLError
+from promptstore.errors import RemoteCorrupt, RemoteError, RemoteFull, RemoteRefused, RemoteUnavailable, RemoteURLError
 from promptstore.remote import _direct
 from promptstore.remote._url import RemoteURL
 
@@ -119,20 +119,22 @@ class Client:
         if last:
             _close(held.conn)
 
-    def _failed(self, err: Exception) -> RemoteError:
-        """The error to raise for ``err``; the connection is reset, unless the
-        server answered with an error reply (the connection is in step)."""
+    def _failed(self, err: Exception, write: bool = False) -> RemoteError:
+        """The error to raise for ``err`` (of a write: ``write``); the connection
+        is reset, unless the server answered with an error reply (it is in step)."""
         if not _answered(err):
             self.reset()
-        return _failure(self.url, err)
+        return _failure(self.url, err, write)
 
     def close(self) -> None:
         """Drop the connection for good: a call made later raises RemoteUnavailable."""
         self.closed = True
         self.reset()
 
-    def _pipelined(self, ops: Sequence[Tuple[str, Tuple[Any, ...], Dict[str, Any]]], batch: int = 0) -> List[Any]:
-        """Run ``(method, args, kwargs)`` pipeline commands in batches; their replies."""
+    def _pipelined(self, ops: Sequence[Tuple[str, Tuple[Any, ...], Dict[str, Any]]], batch: int = 0,
+                   write: bool = False) -> List[Any]:
+        """Run ``(method, args, kwargs)`` pipeline commands in batches (``write``:
+        commands that write); their replies."""
         out: List[Any] = []
         if not ops:
             return out
@@ -145,7 +147,7 @@ class Client:
                         getattr(pipe, name)(*args, **kwargs)
                     out.extend(pipe.execute(raise_on_error=True))
             except Exception as err:
-                raise self._failed(err) from err
+                raise self._failed(err, write) from err
         return out
 
     def get(self, keys: Sequence[bytes]) -> List[Optional[bytes]]:
@@ -193,13 +195,13 @@ class Client:
 
     def set_new(self, items: Sequence[Tuple[bytes, bytes]]) -> None:
         """SET each key only when absent (content-addressed values never change)."""
-        self._pipelined([("set", (k, v), {"nx": True}) for k, v in items])
+        self._pipelined([("set", (k, v), {"nx": True}) for k, v in items], write=True)
 
     def set(self, items: Sequence[Tuple[bytes, bytes]]) -> None:
-        self._pipelined([("set", (k, v), {}) for k, v in items])
+        self._pipelined([("set", (k, v), {}) for k, v in items], write=True)
 
     def hset(self, items: Sequence[Tuple[bytes, bytes, bytes]]) -> None:
-        self._pipelined([("hset", (k, f, v), {}) for k, f, v in items])
+        self._pipelined([("hset", (k, f, v), {}) for k, f, v in items], write=True)
 
     def hgetall(self, keys: Sequence[bytes]) -> List[Dict[bytes, bytes]]:
         return self._pipelined([("hgetall", (k,), {}) for k in keys])
@@ -243,13 +245,15 @@ def _answered(err: Exception) -> bool:
     return not isinstance(err, (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.AskError))
 
 
-def _failure(url: RemoteURL, err: Exception) -> RemoteError:
+def _failure(url: RemoteURL, err: Exception, write: bool = False) -> RemoteError:
     """The error a failed call raises: RemoteCorrupt when the server refused a
     key holding another type than the tier writes there (damage, or another
     program's key: the remote is up, and every other key still serves),
     RemoteFull when it refused a write for want of memory (``OOM``, under
-    ``noeviction``: reads still serve), RemoteUnavailable otherwise (the
-    tier then cools down). A pipeline's error names its command and its
+    ``noeviction``: reads still serve), RemoteRefused for any other error
+    reply to a write (``write``: a read-only replica, ``MISCONF``,
+    ``NOPERM``; reads still serve), RemoteUnavailable otherwise (the tier
+    then cools down). A pipeline's error names its command and its
     arguments (a block's bytes): only the reply is kept."""
     text = str(err).split(" of pipeline caused error: ", 1)[-1][:300]
     reply = _answered(err)
@@ -257,5 +261,7 @@ def _failure(url: RemoteURL, err: Exception) -> RemoteError:
         return RemoteCorrupt(f"remote {url}: a key holds a value of another type ({text})")
     if reply and (type(err).__name__ == "OutOfMemoryError" or text.startswith("OOM") or "> 'maxmemory'" in text):
         return RemoteFull(f"remote {url}: it refused a write, its memory is full ({text}); raise maxmemory or use an eviction policy")
+    if reply and write:
+        return RemoteRefused(f"remote {url}: it refused a write ({type(err).__name__}: {text}); publishes are dropped, reads go on")
     what = "timed out" if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__ else "failed"
     return RemoteUnavailable(f"remote {url} {what}: {type(err).__name__}: {text}")

@@ -81,7 +81,7 @@ class Remote:
         """Counters of this process: hits, misses, published, dropped, bytes
         fetched and published, blocks reused from the local tier, and errors
         by kind (``errors.unavailable``, ``errors.corrupt``, ``errors.missing``,
-        ``errors.newer``, ``errors.full``, ``errors.url``), ``skipped`` (calls not made while the remote cooled down)."""
+        ``errors.newer``, ``errors.full``, ``errors.refused``, ``errors.url``), ``skipped`` (calls not made while the remote cooled down)."""
         with self._lock:
             return dict(self._counts)
 
@@ -127,6 +127,8 @@ class Remote:
                 which Redis's eviction reclaims (under ``noeviction``
                 nothing does: ``FLUSHDB`` or a new namespace).
             RemoteFull: the remote's memory is full under ``noeviction``.
+            RemoteRefused: the remote refused the write otherwise (a
+                read-only replica, ``MISCONF``, ``NOPERM``).
         """
         manifest, blocks = _wire.encode_entry(key.model, name, key.tokens, layers, trimmable, meta, created)
         addrs = list(blocks)
