@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from _bits import bits_equal
@@ -90,3 +91,32 @@ def test_a_writer_clears_the_reader_slot_of_a_process_killed_inside_a_read(tmp_p
             s.delete("m@0123456789abcdef", toks)
             sizes.append((path / "data.mdb").stat().st_size)
         assert sizes[-1] <= 2 * sizes[4], sizes
+
+
+def test_hits_misses_and_last_uses_survive_a_retried_or_refused_put(tmp_path):
+    """A put writes this process's recorded hits, misses and last uses in its
+    own transaction: a retry after map growth wrote them no more (the first,
+    aborted attempt had taken them), and a put refused by the budget lost them."""
+    from promptstore import StoreFull
+
+    with PromptStore(tmp_path / "s", map_size=1 << 20) as store:
+        store.put("m", list(range(3, 103)), _cache(100, 1.0))
+        for _ in range(5):
+            assert store.lookup("m", list(range(3, 103)) + [1]) is not None
+        for _ in range(3):
+            assert store.lookup("m", [999, 998]) is None
+        big = {f"k{j}": "x" * (1 << 19) for j in range(6)}  # a 3 MB manifest: the map grows after the flush
+        store.put("m", list(range(1000, 1010)), _cache(10, 2.0), meta=big)
+        assert store.counters() == {"hits": 5, "misses": 3}
+    with PromptStore(tmp_path / "t") as store:
+        first = store.put("m", list(range(3, 103)), _cache(100, 1.0))
+        store.set_budget(first.nbytes * 2)
+        for _ in range(2):
+            store.lookup("m", list(range(3, 103)))
+        store.lookup("m", [7])
+        with pytest.raises(StoreFull):
+            store.put("m", list(range(5, 1005)), _cache(1000, 2.0))
+    with PromptStore(tmp_path / "t", readonly=True) as store:
+        assert store.counters() == {"hits": 2, "misses": 1}  # written by close, as stored
+        (info,) = store.entries()
+        assert info.last_used > first.created

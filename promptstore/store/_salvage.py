@@ -176,7 +176,7 @@ def salvage(src, dst) -> SalvageReport:
             out.check_format()
             blobs, src_blobs = _blobs.Blobs(dst), _blobs.Blobs(src)
             packs = _packs.Packs(dst)
-            writer = EntryWriter(dst, out, out.db, blobs, packs, Usage(out.db))
+            writer = EntryWriter(dst, out, out.db, blobs, packs, Usage(out.db, out.after_commit))
 
             def copy(ekey: bytes, raw: bytes, man, chunks, blocks, used, pinned) -> None:
                 refs = [(key, blocks[key], size) for key, size in man.blocks()]

@@ -101,7 +101,7 @@ class PromptStore:
         tables = env.db
         self._blobs = _blobs.Blobs(self.path)
         self._packs = _packs.Packs(self.path)
-        self._usage = Usage(tables)
+        self._usage = Usage(tables, env.after_commit)
         self._reader = Reader(self.path, env, tables, self._blobs, self._packs)
         if shared_blocks is None:
             shared_blocks = os.environ.get("PROMPTSTORE_SHARED_BLOCKS", "1") != "0"

@@ -30,8 +30,9 @@ FLUSH_EVERY = 2.0  # seconds: the longest a read's last use stays unwritten whil
 class Usage:
     """Recorded, not yet written, last uses and counters of one PromptStore."""
 
-    def __init__(self, tables: Tables):
+    def __init__(self, tables: Tables, after_commit: Callable[[Callable[[], None]], None]):
         self._db = tables
+        self._after_commit = after_commit  # the store's ``Env.after_commit``
         self._lock = threading.Lock()
         self._touched: Dict[bytes, float] = {}
         self._counts: Counter = Counter()
@@ -65,11 +66,13 @@ class Usage:
         return max(stored, self._touched.get(ekey, 0.0))
 
     def flush_in(self, txn) -> None:
-        """Write what was recorded, inside write transaction ``txn``."""
+        """Write what was recorded, inside write transaction ``txn``. It stays
+        recorded until ``txn`` commits: a transaction retried (map growth) or
+        aborted (a put refused) writes it again or leaves it for the next."""
         with self._lock:
-            touched, self._touched = self._touched, {}
-            counts, self._counts = self._counts, Counter()
+            touched, counts = dict(self._touched), Counter(self._counts)
             self._flushed = time.monotonic()
+        self._after_commit(lambda: self._written(touched, counts))
         db = self._db
         for ekey, ts in touched.items():
             if txn.get(ekey, db=db.entries) is not None:
@@ -77,6 +80,15 @@ class Usage:
         for what, n in counts.items():
             key = stat_key(what)
             txn.put(key, U64.pack(u64_or(txn.get(key, db=db.info)) + n), db=db.info)
+
+    def _written(self, touched: Dict[bytes, float], counts: Counter) -> None:
+        """Forget what a committed flush wrote (a use recorded again since stays)."""
+        with self._lock:
+            for ekey, ts in touched.items():
+                if self._touched.get(ekey) == ts:
+                    del self._touched[ekey]
+            self._counts.subtract(counts)
+            self._counts = +self._counts
 
     def flush_soon(self, env: Env, flush: Callable[[], None]) -> None:
         """Have what is recorded written within :data:`FLUSH_EVERY` seconds by
