@@ -49,7 +49,8 @@ class Rows:
         return None
 
     def slot_signature(self, layer: Any) -> Signature:
-        """Shapes and dtypes of recurrent slots that rows must share (None: no slots)."""
+        """Shapes and dtypes of every recurrent slot, None where a slot is
+        empty, that rows must share (None: no slots)."""
         return None
 
 
@@ -76,8 +77,10 @@ def kv_signature(layer: Any) -> Signature:
 
 
 def slot_signature(layer: Any) -> Signature:
-    """Per-row shape and dtype of the first two slots (conv, recurrent state)."""
-    return tuple(None if x is None else (tuple(x.shape[1:]), str(x.dtype)) for x in (layer[0], layer[1]))
+    """Per-row shape and dtype of every slot the layer has (one slot for
+    LFM2's conv state, two for Mamba or gated DeltaNet, four for Kimi
+    Linear's), None for an empty slot."""
+    return tuple(None if x is None else (tuple(x.shape[1:]), str(x.dtype)) for x in layer.cache)
 
 
 def check_joinable(batch_layer: Any, row_layer: Any, where: str) -> None:

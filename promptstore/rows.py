@@ -288,9 +288,14 @@ def _check_shapes(layers: Sequence[Any], where: str) -> None:
             slots.add(slot)
     if len(seen) > 1:
         raise InvalidInput(f"{where}: rows disagree on KV heads, head dims or dtype: {sorted(map(str, seen))}")
-    present = {s for s in slots if all(x is not None for x in s)}
-    if len(present) > 1:
-        raise InvalidInput(f"{where}: rows disagree on recurrent state shapes or dtypes: {sorted(map(str, present))}")
+    counts = {len(s) for s in slots}
+    if len(counts) > 1:
+        raise InvalidInput(f"{where}: rows disagree on recurrent state shapes or dtypes: they hold {sorted(counts)} slots")
+    for e in range(counts.pop() if counts else 0):
+        # An empty slot joins any other: mlx-lm fills it with zeros of the others' shape.
+        present = {s[e] for s in slots if s[e] is not None}
+        if len(present) > 1:
+            raise InvalidInput(f"{where}: rows disagree on recurrent state shapes or dtypes: slot {e} is {sorted(map(str, present))}")
 
 
 def _row_layers(rows: Sequence[Sequence[Any]], n_layers: Optional[int]) -> Tuple[List[List[Any]], List[Optional[int]]]:

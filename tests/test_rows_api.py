@@ -343,3 +343,59 @@ def test_rows_saved_mid_prefill_continue(name, store):
         while rs := g.next_generated():
             out += [r.token for r in rs]
         assert out == want[i], (i, out, want[i])
+
+
+def _arrays_row(slots, seed: int) -> ArraysCache:
+    """A serial ArraysCache whose slots are arrays of these ``(shape, dtype)``."""
+    layer = ArraysCache(len(slots))
+    for i, (shape, dtype) in enumerate(slots):
+        layer[i] = mx.random.normal((1, *shape), key=mx.random.key(seed + i)).astype(dtype)
+    return layer
+
+
+def test_merge_rows_joins_single_slot_arrays_rows(store):
+    """LFM2-style layers (ArraysCache(size=1) conv + KVCache): slot_signature
+    read a second slot that is not there (a raw IndexError)."""
+    conv = [((64, 3), mx.float16)]
+    rows = []
+    for r in range(3):
+        toks = list(range(100, 105 + r))
+        store.put("m@lfm2-like", toks, [_arrays_row(conv, r), _kv(5 + r, r)])
+        rows.append(store.get("m@lfm2-like", toks))
+    batch = merge_rows(None, rows[:2])
+    assert type(batch[0]) is ArraysCache and len(batch[0].cache) == 1 and row_count(batch) == 2
+    merge_rows(batch, rows[2:])
+    assert row_count(batch) == 3 and row_coverage(batch, 2) == [None, 7]
+    assert bits_equal(extract_row(batch, 2)[0][0], rows[2][0][0])
+    with pytest.raises(InvalidInput, match="recurrent state shapes"):
+        merge_rows(batch, [[_arrays_row([((64, 4), mx.float16)], 9), _kv(4, 9)]])
+    assert row_count(batch) == 3
+
+
+def _unchanged(batch, before) -> bool:
+    """Whether ``batch`` holds exactly the arrays ``before`` (from ``_batch_state``)."""
+    after = _batch_state(batch)
+    return len(after) == len(before) and all(
+        a.shape == b.shape and a.dtype == b.dtype and bool(bits_equal(a, b)) for a, b in zip(after, before)
+    )
+
+
+FOUR_SLOTS = [((3, 8), mx.float32), ((2, 4, 4), mx.float32), ((3, 8), mx.bfloat16), ((2, 4, 4), mx.float32)]
+
+
+@pytest.mark.parametrize("odd", [((3, 9), mx.bfloat16), ((3, 8), mx.float32)], ids=["shape", "dtype"])
+def test_merge_rows_compares_every_recurrent_slot(odd):
+    """ArraysCache(size=4) rows (kimi_linear / olmo_hybrid style) that differ
+    only in slot 2: a shape raised mlx's ValueError after the KV layer was
+    extended, a dtype joined silently and promoted the batch's slot."""
+    batch = merge_rows(None, [[_kv(4, s), _arrays_row(FOUR_SLOTS, s)] for s in (0, 10)])
+    before = _batch_state(batch)
+    other = FOUR_SLOTS[:2] + [odd] + FOUR_SLOTS[3:]
+    with pytest.raises(InvalidInput, match="layer 1: rows disagree on recurrent state shapes or dtypes"):
+        merge_rows(batch, [[_kv(4, 20), _arrays_row(other, 20)]])
+    assert _unchanged(batch, before) and batch[1].cache[2].dtype == mx.bfloat16
+    with pytest.raises(InvalidInput, match="recurrent state shapes or dtypes"):
+        merge_rows(None, [[_kv(4, 0), _arrays_row(FOUR_SLOTS, 0)], [_kv(4, 20), _arrays_row(other, 20)]])
+    with pytest.raises(InvalidInput, match="recurrent state shapes or dtypes"):  # another number of slots
+        merge_rows(batch, [[_kv(4, 20), _arrays_row(FOUR_SLOTS[:3], 20)]])
+    assert _unchanged(batch, before)
