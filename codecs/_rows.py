@@ -9,7 +9,7 @@ stripped, arrays copied, so holding the row keeps none of the batch alive.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -43,6 +43,13 @@ class Rows:
 
     def check_join(self, batch_layer: Any, row_layer: Any, where: str) -> None:
         """Refuse a ``serial`` row that cannot join ``batch_layer`` (beyond its class)."""
+
+    def parts(self, layer: Any) -> List[Any]:
+        """The objects whose attributes an ``extend`` of batch ``layer``
+        rebinds: the layer itself (a CacheList adds its inner caches'). mlx-lm's
+        ``extend`` (and SSMCache's) never writes into an array, so putting back
+        these objects' attributes undoes an extend that failed halfway."""
+        return [layer]
 
     def kv_signature(self, layer: Any) -> Signature:
         """KV heads, head dims and dtype that rows must share (None: no KV arrays)."""

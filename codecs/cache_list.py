@@ -52,6 +52,9 @@ class CacheListRows(Rows):
         for c in layer.caches:
             rows_for_layer(c, where).check_settled(c, where)
 
+    def parts(self, layer):
+        return [layer, *(p for c in layer.caches for p in rows_for_layer(c).parts(c))]
+
     def check_join(self, batch_layer, row_layer, where):
         if len(row_layer.caches) != len(batch_layer.caches):
             raise InvalidInput(f"{where}: CacheList rows hold a different number of inner caches")

@@ -353,9 +353,15 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
     the batch layer's class wins (an SSMCache one in a new batch), through
     conversions that share the slot arrays, so the joined state is bit-exact.
 
+    Every layer is checked before any is extended, and an extend mlx-lm
+    refuses on a later layer puts back the layers before it: a refusal
+    leaves the batch as it was.
+
     Raises:
         InvalidInput: no rows, layer counts or classes that do not match, a
-            row that holds more than one row, or KV shapes that disagree.
+            row that holds more than one row, KV shapes or recurrent slots
+            that disagree, a batch layer that cannot take rows (no
+            ``extend``), or a join mlx-lm refuses.
         CoverageMismatch: a row's layers disagree on its coverage, or an
             ArraysCache row that must become an SSMCache has no layer that
             reports its coverage.
@@ -387,7 +393,7 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
         _check_shapes(per_row + ([ref] if batch is not None else []), where)
     if batch is not None:
         for li, layer in enumerate(batch):
-            rows_for_layer(layer, f"layer {li}").check_settled(layer, f"layer {li}")
+            _check_extendable(layer, f"layer {li}")
     merged = []
     for li in range(n_layers):
         try:
@@ -396,6 +402,42 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
             raise InvalidInput(f"layer {li}: these rows cannot be merged into one batch: {err}") from err
     if batch is None:
         return merged
-    for layer, new in zip(batch, merged):
-        layer.extend(new)
+    _extend_all(batch, merged)
     return batch_cache if isinstance(batch_cache, list) else batch
+
+
+def _check_extendable(layer: Any, where: str) -> None:
+    """Refuse a batch layer that cannot take rows now: caught between
+    ``prepare()`` and ``finalize()``, or made of mlx-lm's serial classes run
+    with B > 1, which have no ``extend``."""
+    rows = rows_for_layer(layer, where)
+    rows.check_settled(layer, where)
+    for part in rows.parts(layer):
+        if not callable(getattr(part, "extend", None)):
+            raise InvalidInput(
+                f"{where}: a {_name(part)} holding the rows of a plain batched forward cannot take more "
+                "rows; make a new batch of all the rows with merge_rows(None, rows)"
+            )
+
+
+def _extend_all(batch: Sequence[Any], merged: Sequence[Any]) -> None:
+    """Extend every batch layer with its merged rows, or none: when mlx-lm
+    refuses a later layer, the layers already extended get back their
+    attributes (see ``Rows.parts``).
+
+    Raises:
+        InvalidInput: mlx-lm's extend refused a layer (its ValueError).
+    """
+    saved = [(part, dict(vars(part))) for li, layer in enumerate(batch)
+             for part in rows_for_layer(layer, f"layer {li}").parts(layer)]
+    li = 0
+    try:
+        for li, (layer, new) in enumerate(zip(batch, merged)):
+            layer.extend(new)
+    except BaseException as err:
+        for part, attrs in saved:
+            vars(part).clear()
+            vars(part).update(attrs)
+        if isinstance(err, ValueError):
+            raise InvalidInput(f"layer {li}: these rows cannot join the batch: {err}; no layer was changed") from err
+        raise

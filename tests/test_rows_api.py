@@ -399,3 +399,21 @@ def test_merge_rows_compares_every_recurrent_slot(odd):
     with pytest.raises(InvalidInput, match="recurrent state shapes or dtypes"):  # another number of slots
         merge_rows(batch, [[_kv(4, 20), _arrays_row(FOUR_SLOTS[:3], 20)]])
     assert _unchanged(batch, before)
+
+
+def test_a_join_mlx_lm_refuses_on_a_later_layer_changes_no_layer():
+    """A batch layer whose own state mlx-lm's extend refuses (values of other
+    heads than its keys): the layers before it are left as they were."""
+    batch = merge_rows(None, [[_kv(4, s), _kv(4, s + 1)] for s in (0, 10)])
+    batch[1].values = mx.zeros((2, 4, batch[1].values.shape[2], 16))
+    before = _batch_state(batch)
+    with pytest.raises(InvalidInput, match="layer 1: .*cannot join"):
+        merge_rows(batch, [[_kv(4, 20), _kv(4, 21)]])
+    assert _unchanged(batch, before) and row_count(batch) == 2
+    # a serial KVCache run with B > 1 has no extend: refused before the first layer is extended
+    plain = merge_rows(None, [[_kv(4, s)] for s in (0, 10)]) + [KVCache()]
+    plain[1].update_and_fetch(mx.zeros((2, 2, 4, 16)), mx.zeros((2, 2, 4, 16)))
+    before = _batch_state(plain)
+    with pytest.raises(InvalidInput, match="layer 1: a KVCache holding the rows of a plain batched forward"):
+        merge_rows(plain, [[_kv(4, 20), _kv(4, 21)]])
+    assert _unchanged(plain, before) and row_count(plain) == 2
