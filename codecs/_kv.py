@@ -46,8 +46,7 @@ class TrimmableKVCodec(Codec):
         return bool(layer.is_trimmable())
 
     def trim(self, layer, n):
-        if not self.trimmable(layer):
-            raise self.missing(layer, "trim", "it cannot drop tokens now")
+        self.check_trim(layer, n)
         layer.trim(n)
 
     def needs_checkpoints(self, layer, n_tokens):

@@ -116,8 +116,20 @@ class Codec:
         chunked window past its first chunk)."""
         return 0
 
+    def check_trim(self, layer: Any, n: int) -> None:
+        """Refuse, before anything is trimmed, a trim of the last ``n`` tokens
+        of ``layer`` that ``trim`` would refuse; by default, unless ``trimmable``.
+        A kind that trims only some lengths (a chunked window past its first
+        chunk) refuses the others here too.
+
+        Raises:
+            MissingCapability: ``layer`` cannot drop ``n`` tokens now.
+        """
+        if not self.trimmable(layer):
+            raise self.missing(layer, "trim", "it cannot drop tokens now (a recurrent state, or a sliding window that wrapped)")
+
     def trim(self, layer: Any, n: int) -> None:
-        """Drop the last ``n`` tokens of ``layer`` (only when ``trimmable``).
+        """Drop the last ``n`` tokens of ``layer`` (only when ``check_trim`` passes).
 
         Raises:
             MissingCapability: this kind cannot trim.
@@ -428,19 +440,19 @@ def trim_cache(cache: Sequence[Any], n: int) -> None:
     """Trim every layer of ``cache`` by ``n`` tokens, in place, through its codec.
 
     Plain KV layers also drop the trimmed positions, so their memory is not
-    kept alive. Nothing is trimmed unless every layer can trim.
+    kept alive. Nothing is trimmed unless every layer can drop ``n`` tokens
+    (``Codec.check_trim``).
 
     Raises:
         UnknownStorageKind: a layer's exact class has no codec.
-        MissingCapability: a layer cannot trim (now).
+        MissingCapability: a layer cannot drop ``n`` tokens (now).
     """
     codecs_ = [codec_for_layer(layer) for layer in cache]
     for i, (codec, layer) in enumerate(zip(codecs_, cache)):
-        if not codec.trimmable(layer):
-            raise MissingCapability(
-                f"layer {i} ({_qualname(type(layer))}, storage kind {codec.kind!r}) cannot drop "
-                "tokens now (a recurrent state, or a sliding window that wrapped); nothing was trimmed"
-            )
+        try:
+            codec.check_trim(layer, n)
+        except MissingCapability as err:
+            raise MissingCapability(f"layer {i}: {err}; nothing was trimmed") from err
     for codec, layer in zip(codecs_, cache):
         codec.trim(layer, n)
 

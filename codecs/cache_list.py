@@ -127,9 +127,12 @@ class CacheListCodec(Codec):
     def trimmable(self, layer):
         return all(codec_for_layer(c).trimmable(c) for c in layer.caches)
 
+    def check_trim(self, layer, n):
+        for c in layer.caches:
+            codec_for_layer(c).check_trim(c, n)
+
     def trim(self, layer, n):
-        if not self.trimmable(layer):
-            raise self.missing(layer, "trim", "an inner cache cannot drop tokens now")
+        self.check_trim(layer, n)
         for c in layer.caches:
             codec_for_layer(c).trim(c, n)
 

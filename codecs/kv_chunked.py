@@ -38,13 +38,13 @@ class ChunkedKVCodec(TrimmableKVCodec):
         cache.start_position = start
         return cache
 
-    def trim(self, layer, n):
+    def check_trim(self, layer, n):
         # Past start_position the dropped chunk is gone: mlx-lm's trim would
         # stop there without saying so, and the cache would cover more tokens
         # than the caller was told.
+        super().check_trim(layer, n)
         if n > int(layer.offset) - int(layer.start_position):
             raise self.missing(layer, "trim", f"it keeps no tokens before position {int(layer.start_position)}")
-        super().trim(layer, n)
 
     def trim_floor(self, meta):
         start = meta.get("start_position")

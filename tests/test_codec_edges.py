@@ -62,6 +62,24 @@ def test_a_chunked_trim_past_its_start_is_refused_and_changes_nothing():
     assert (layer.offset, layer.start_position) == (30, 14)
 
 
+@pytest.mark.parametrize("wrap", ["layers", "cache-list"])
+def test_a_trim_that_a_later_layer_refuses_trims_no_layer(wrap):
+    """trim_cache checks every layer for this ``n`` before trimming any: the
+    chunked layer trims, but not 20 tokens, and it came after a KV layer that
+    had already dropped them (a CacheList of the two did the same)."""
+    kv = KVCache()
+    kv.update_and_fetch(det((1, 2, 30, 64), mx.float16, 2), det((1, 2, 30, 64), mx.float16, 3))
+    chunked = _chunked_past_first_chunk()
+    cache = [kv, chunked] if wrap == "layers" else [CacheList(kv, chunked)]
+    kept = kv.keys.shape
+    with pytest.raises(MissingCapability, match="kv.chunked.*position 14.*nothing was trimmed"):
+        trim_cache(cache, 20)
+    assert kv.offset == 30 and kv.keys.shape == kept
+    assert (chunked.offset, chunked.start_position) == (30, 14)
+    trim_cache(cache, 16)  # within the kept chunk: both trim
+    assert (kv.offset, kv.keys.shape[2], chunked.offset) == (14, 14, 14)
+
+
 def test_a_chunked_cache_from_its_first_chunk_still_serves_prefixes(tmp_path):
     c = ChunkedKVCache(64)
     k, v = det((1, 2, 30, 64), mx.float16, 0), det((1, 2, 30, 64), mx.float16, 1)
