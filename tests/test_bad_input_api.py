@@ -286,6 +286,35 @@ def test_meta_with_a_tuple_is_returned_as_it_reads_back(pinned):
         assert info.meta == st.info(info.id).meta == {"a": [1, [2, 3]], "b": {"c": []}}
 
 
+def test_a_model_identity_longer_than_a_manifest_string_is_refused(tmp_path):
+    """A manifest string reads back at most 1 MiB (the reader's max_str_len):
+    a longer model identity was stored and every read said CorruptEntry."""
+    import mlx.core as mx
+
+    from promptstore.bench import _data as data
+
+    with PromptStore(tmp_path / "s") as st:
+        st.put("m@short", [1, 2, 3], data.tiny_kv(3))
+        before = _state(st)
+        with pytest.raises(InvalidInput, match="manifest could not be read back.*max_str_len"):
+            st.put("m@" + "x" * (1 << 20), [1, 2, 3], data.tiny_kv(3))
+        assert _state(st) == before and st.verify().problems == ()
+        # a payload large enough for a blob file: refused as its manifest is
+        # made final, inside the transaction, and its file removed
+        big = [_kv(3, 3), _arrays_of(2)]
+        blobs = tmp_path / "s" / "blobs"
+        big[1][0] = mx.ones((1, 1 << 18), dtype=mx.float32)
+        with pytest.raises(InvalidInput, match="manifest could not be read back.*max_str_len"):
+            st.put("m@" + "x" * (1 << 20), [1, 2, 3], big)
+        assert _state(st) == before and st.verify().problems == ()
+        assert not (blobs.is_dir() and any(blobs.iterdir())) and st.verify().orphan_blobs == 0
+        st.put("m@short", [1, 2, 3], big)  # the same as a blob entry under a short model id
+        assert blobs.is_dir() and any(blobs.iterdir())
+        long = "m@" + "x" * ((1 << 20) - 2)  # at the limit: stored and read back
+        st.put(long, [1, 2, 3], data.tiny_kv(3))
+        assert same_cache(st.get(long, [1, 2, 3]), data.tiny_kv(3))
+
+
 # -- caches whose arrays disagree with their own state --------------------------
 
 
@@ -339,7 +368,19 @@ UNREADABLE = [
     pytest.param(lambda: [_rotating(-3)], 20, "InvalidInput", id="rotating-negative-index"),
     pytest.param(lambda: [_quantized_short_biases()], 20, "InvalidInput", id="quantized-short-biases"),
     pytest.param(lambda: [_concat(30)], 30, "InvalidInput", id="concat-offset-past-keys"),
+    # what the manifest reader refuses: an array of more than 8 dimensions, more than MAX_LAYERS layers
+    pytest.param(lambda: [_kv(20, 20), _arrays_of(9)], 20, "InvalidInput", id="array-of-9-dimensions"),
+    pytest.param(lambda: [_kv(20, 20)] * (_entry.MAX_LAYERS + 1), 20, "InvalidInput", id="too-many-layers"),
 ]
+
+
+def _arrays_of(ndim):
+    from mlx_lm.models.cache import ArraysCache
+    import mlx.core as mx
+
+    a = ArraysCache(1)
+    a[0] = mx.ones((1,) * ndim)
+    return a
 
 
 @pytest.mark.parametrize("bad,n,error", UNREADABLE)

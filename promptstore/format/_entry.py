@@ -37,7 +37,9 @@ CHUNK = 4 * 1024 * 1024 - 16
 MAX_MANIFEST = 64 * 1024 * 1024
 MAX_TOKENS = 1 << 24
 MAX_LAYERS = 4096
-MAX_ARRAYS = 1 << 16
+MAX_ARRAYS = 1 << 16  # items of one list (array records, block bounds, a shared array's parts): the reader's max_array_len
+MAX_MAP = 1 << 16  # items of one map: the reader's max_map_len
+MAX_STR = 1 << 20  # UTF-8 bytes of one string (the model identity, a meta string): the reader's max_str_len
 MAX_PAYLOAD = 1 << 40
 
 DTYPES: Dict[str, Any] = {
@@ -205,7 +207,21 @@ def pack_manifest(
     entry_id: str,
     blob: Optional[str] = None,
     bounds: Sequence[int] = (),
+    read_back: bool = True,
 ) -> bytes:
+    """The manifest of an entry, as it is written.
+
+    It is read back as every reader reads it (:func:`unpack_manifest`: its
+    limits on strings and lists, at most ``MAX_LAYERS`` layers, shapes of at
+    most 8 dimensions...), so what a reader would refuse is never written and
+    never replaces an intact entry. ``read_back=False`` skips that for a
+    manifest that is not final (a blob entry's before its checksums are in):
+    the final one must be read back.
+
+    Raises:
+        InvalidInput: ``meta`` is refused (:func:`check_meta`), or the
+            manifest is too large or would not read back.
+    """
     doc = {
         # An entry in LMDB stays format 1, which older readers read; a blob
         # entry is format 2 and one with shared blocks format 4 (its blocks
@@ -234,7 +250,13 @@ def pack_manifest(
         raise InvalidInput(f"entry metadata is not serialisable: {err}") from err
     if len(raw) > MAX_MANIFEST:  # unpack_manifest would refuse it: never write what cannot be read
         raise InvalidInput(f"the entry's manifest would be {len(raw)} bytes, over {MAX_MANIFEST}: store less metadata")
-    return raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
+    raw = raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
+    if read_back:
+        try:
+            unpack_manifest(raw, "the new entry")
+        except (CorruptEntry, UnsupportedVersion) as err:
+            raise InvalidInput(f"the entry's manifest could not be read back, so it was not written: {err}") from err
+    return raw
 
 
 def manifest_bound(n_tokens: int, n_arrays: int, meta: Dict[str, Any], cut: int) -> int:
@@ -251,8 +273,8 @@ def manifest_bound(n_tokens: int, n_arrays: int, meta: Dict[str, Any], cut: int)
 
 MAX_META_DEPTH = 64  # nesting of lists and maps in an entry's meta
 _META_INT = (-(1 << 63), 1 << 64)  # what msgpack packs as an integer
-_META_LEN = min(MAX_ARRAYS, 1 << 16)  # items of one list or map: unpack_manifest's max_array_len and max_map_len
-_META_STR = 1 << 20  # UTF-8 bytes of one string: unpack_manifest's max_str_len
+_META_LEN = min(MAX_ARRAYS, MAX_MAP)  # items of one list or map: unpack_manifest's max_array_len and max_map_len
+_META_STR = MAX_STR  # UTF-8 bytes of one string: unpack_manifest's max_str_len
 
 
 def meta_as_read(value: Any) -> Any:
@@ -365,8 +387,8 @@ def _created(doc: dict, where: str) -> float:
 
 def _unpack(raw: bytes) -> Any:
     """The msgpack document of a manifest, within the limits a manifest keeps to."""
-    return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_TOKENS * 4, max_str_len=1 << 20,
-                           max_array_len=MAX_ARRAYS, max_map_len=1 << 16)
+    return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_TOKENS * 4, max_str_len=MAX_STR,
+                           max_array_len=MAX_ARRAYS, max_map_len=MAX_MAP)
 
 
 def newer_tokens(raw: bytes) -> Optional[Tuple[np.ndarray, bool]]:

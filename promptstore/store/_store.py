@@ -225,8 +225,8 @@ class PromptStore:
             InvalidInput: bad model id, tokens, cache (not a list of layers,
                 or a layer whose arrays disagree with its own state so that
                 it could not be read back) or meta (see
-                :func:`promptstore.format._entry.check_meta`); nothing was
-                written, a stored entry is untouched.
+                :func:`promptstore.format._entry.check_meta`), or a manifest a
+                reader would refuse; nothing was written, a stored entry is untouched.
             StoreFull: disk or map full; nothing was written.
         """
         return self._put(model, tokens, cache, meta, coverage, publish=True)

@@ -363,8 +363,9 @@ class EntryWriter:
         manifest (see ``format._blobs``).
 
         Raises:
-            InvalidInput: ``meta`` cannot be serialised, or a layer would
-                not decode (``codecs.check_encoded``); before any write.
+            InvalidInput: ``meta`` cannot be serialised, a layer would
+                not decode (``codecs.check_encoded``), or the manifest would
+                not read back (``_entry.pack_manifest``); nothing is committed.
             CoverageMismatch: a layer would decode covering other than
                 ``len(toks)`` tokens; before any write.
             StoreFull: no room (nothing was written).
@@ -397,9 +398,14 @@ class EntryWriter:
             return _entry.pack_manifest(
                 model=model, model_name=model_name, tokens=toks, layers=records, payload=payload,
                 created=now, trimmable=trimmable, meta=meta, entry_id=eid, blob=blob_name, bounds=bounds,
+                read_back=blob_name is not None or not blob,
             )
 
-        manifest = pack(None)  # bad meta fails here, before any write (a blob entry's is packed again)
+        # Bad meta fails here, before any write, and so does a manifest a reader
+        # would refuse, read back once as final: a blob entry's is packed again
+        # once its checksums are in (they are None here), naming its file, and
+        # is read back then, inside the transaction, its file removed if refused.
+        manifest = pack(None)
 
         def write(txn) -> int:
             if expect is not None and bytes(txn.get(ekey, b"", db=self._db.entries)) != expect:
