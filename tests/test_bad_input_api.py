@@ -315,6 +315,48 @@ def test_a_model_identity_longer_than_a_manifest_string_is_refused(tmp_path):
         assert same_cache(st.get(long, [1, 2, 3]), data.tiny_kv(3))
 
 
+def test_an_entry_of_more_blocks_than_a_manifest_lists_is_cut_in_longer_blocks(tmp_path):
+    """With block_tokens=1, 66,000 tokens made 66,000 block bounds (and parts
+    lists as long), over the reader's max_array_len (MAX_ARRAYS): the put
+    succeeded and every read then said CorruptEntry. The blocks after the
+    shared prefix are cut longer instead, so the entry reads back."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from _raw import raw_manifest
+
+    n = 66_000
+    toks = list(range(1, n + 1))
+    kv = KVCache()
+    kv.update_and_fetch(*(mx.arange(n * 2, dtype=mx.float32).reshape(1, 1, n, 2).astype(mx.float16) + i for i in (0, 1)))
+    with PromptStore(tmp_path / "s", block_tokens=1) as st:
+        eid = st.put("m@x", toks, [kv]).id
+        bounds = raw_manifest(st, eid)["bounds"]
+        assert len(bounds) <= _entry.MAX_ARRAYS and bounds[-1] == n
+        assert same_cache(st.get("m@x", toks), [kv])
+        hit = st.lookup("m@x", toks[:1000] + [0])
+        assert hit.matched == 1000 and hit.cache[0].offset == 1000
+        assert st.verify().problems == ()
+
+
+
+def test_block_bounds_never_outgrow_a_manifest_list():
+    from promptstore.format._blocks import plan_bounds
+
+    def ok(bounds, n):
+        return len(bounds) <= _entry.MAX_ARRAYS and bounds[-1] == n and all(b > a for a, b in zip((0,) + bounds, bounds))
+
+    assert plan_bounds((), 0, 1 << 20, 16) == tuple(range(16, (1 << 20) + 1, 16))  # 1 Mi tokens by 16: just fits
+    longer = plan_bounds((), 0, 1_100_000, 16)  # 68,750 blocks of 16: cut in blocks of 17 instead
+    assert ok(longer, 1_100_000) and longer[:2] == (17, 34)
+    base = tuple(range(1, 30_001))  # a stored entry cut by 1, sharing 30,000 tokens: its ends kept, the rest longer
+    cut = plan_bounds(base, 30_000, 200_000, 1)
+    assert ok(cut, 200_000) and cut[:30_000] == base
+    full = tuple(range(1, _entry.MAX_ARRAYS + 1))  # a base whose ends alone fill a list: not followed
+    assert ok(plan_bounds(full, _entry.MAX_ARRAYS, 70_000, 1), 70_000)
+    assert ok(plan_bounds(full + (70_000,), 70_000, 70_000, 1), 70_000)
+
+
 # -- caches whose arrays disagree with their own state --------------------------
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import xxhash
 
 from promptstore.errors import CorruptEntry
+from promptstore.format._limits import MAX_ARRAYS
 
 BLOCK_TOKENS = 512  # a new block spans at most this many tokens (why 512: docs/performance.md)
 ADDRESS = 16  # bytes of a block address
@@ -44,13 +45,18 @@ ADDRESS = 16  # bytes of a block address
 Bounds = Tuple[int, ...]
 
 
-def plan_bounds(base: Sequence[int], shared: int, n: int, step: int = BLOCK_TOKENS) -> Bounds:
+def plan_bounds(base: Sequence[int], shared: int, n: int, step: int = BLOCK_TOKENS, limit: int = MAX_ARRAYS) -> Bounds:
     """Block ends for an entry of ``n`` tokens whose first ``shared`` tokens
     equal those of a stored entry with block ends ``base``: every base end
     up to ``shared``, then ``shared`` itself, then every ``step`` tokens
     from there, then ``n``.
     (Counting from the last shared end, not from token 0, leaves no sliver
-    of a block between a turn's end and the next multiple of ``step``.)"""
+    of a block between a turn's end and the next multiple of ``step``.)
+
+    At most ``limit`` ends, as many as a manifest's list holds: when ``step``
+    would cut more, the blocks after the shared prefix are cut longer, as
+    few longer as will do (and should the base's ends alone leave no room,
+    the base is not followed)."""
     ends = [b for b in base if 0 < b <= min(shared, n)]
     start = ends[-1] if ends else 0
     if start < shared < n:
@@ -59,6 +65,13 @@ def plan_bounds(base: Sequence[int], shared: int, n: int, step: int = BLOCK_TOKE
         # same system prompt) shares the prefix's last, partial block as well.
         ends.append(shared)
         start = shared
+    room = limit - len(ends)  # ends left for the tokens after ``start``
+    if start < n:
+        if room < 1:
+            return plan_bounds((), 0, n, step, limit) if ends else (n,)
+        step = max(step, -(-(n - start) // room))
+    elif room < 0:
+        return plan_bounds((), 0, n, step, limit)
     nxt = start + step
     while nxt < n:
         ends.append(nxt)

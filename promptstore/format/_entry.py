@@ -25,6 +25,7 @@ import numpy as np
 import xxhash
 
 from promptstore.format._blocks import ADDRESS, block_shape
+from promptstore.format._limits import MAX_ARRAYS, MAX_LAYERS, MAX_MANIFEST, MAX_MAP, MAX_PAYLOAD, MAX_STR, MAX_TOKENS
 from promptstore.codecs import codec_for_kind, decode_layer, trim_floor
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
 
@@ -34,13 +35,6 @@ BLOCKS_FORMAT = 3  # 4 is 3 whose blocks may be in pack files (``format._packs``
 PACKS_FORMAT = 4
 BLOB_SUFFIX = ".blob"
 CHUNK = 4 * 1024 * 1024 - 16
-MAX_MANIFEST = 64 * 1024 * 1024
-MAX_TOKENS = 1 << 24
-MAX_LAYERS = 4096
-MAX_ARRAYS = 1 << 16  # items of one list (array records, block bounds, a shared array's parts): the reader's max_array_len
-MAX_MAP = 1 << 16  # items of one map: the reader's max_map_len
-MAX_STR = 1 << 20  # UTF-8 bytes of one string (the model identity, a meta string): the reader's max_str_len
-MAX_PAYLOAD = 1 << 40
 
 DTYPES: Dict[str, Any] = {
     "bool": mx.bool_,
