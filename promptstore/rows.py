@@ -339,6 +339,28 @@ def _adopt(layer: Any, want: type, coverage: Optional[int], where: str) -> Any:
     return layer
 
 
+def _merge(layers: List[Any]) -> Any:
+    """mlx-lm's ``merge`` of one layer's rows. An ArraysCache slot that no
+    row holds (a model that leaves one unused) stays None: mlx-lm's own merge
+    stops at it (StopIteration), so the slots some row holds are merged alone."""
+    cls, ref = type(layers[0]), layers[0]
+    if not isinstance(ref, ArraysCache) or isinstance(ref, SSMCache) or all(x.empty() for x in layers):
+        return cls.merge(layers)
+    held = [e for e in range(len(ref.cache)) if any(x.cache[e] is not None for x in layers)]
+    if len(held) == len(ref.cache):
+        return cls.merge(layers)
+    parts = []
+    for x in layers:
+        part = ArraysCache(len(held))
+        part.cache = [x.cache[e] for e in held]
+        parts.append(part)
+    joined = ArraysCache.merge(parts)
+    out = cls(len(ref.cache))
+    for j, e in enumerate(held):
+        out.cache[e] = joined.cache[j]
+    return out
+
+
 def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any]]) -> List[Any]:
     """Join serial rows (e.g. caches from ``store.get``) to a batch.
 
@@ -397,7 +419,7 @@ def merge_rows(batch_cache: Optional[Sequence[Any]], rows: Sequence[Sequence[Any
     merged = []
     for li in range(n_layers):
         try:
-            merged.append(type(row_layers[0][li]).merge([r[li] for r in row_layers]))
+            merged.append(_merge([r[li] for r in row_layers]))
         except ValueError as err:  # mlx-lm's own refusal (windows of other sizes, say)
             raise InvalidInput(f"layer {li}: these rows cannot be merged into one batch: {err}") from err
     if batch is None:

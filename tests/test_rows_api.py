@@ -123,6 +123,26 @@ def test_arrays_cache_empty_slots(store):
     assert info.kinds == ("arrays", "kv")
 
 
+def test_rows_with_a_slot_none_of_them_holds_merge(store):
+    """mlx-lm's ArraysCache.merge stops (StopIteration) at a slot no row
+    holds; merge_rows joins the others and leaves that one empty."""
+    rows = []
+    for i in range(3):
+        half = ArraysCache(2)
+        half[0] = mx.full((1, 2, 4), float(i))
+        rows.append([half, _kv(4, i)])
+    batch = merge_rows(None, rows)
+    assert batch[0].cache[1] is None and batch[0].cache[0].shape == (3, 2, 4)
+    for i in range(3):
+        row = extract_row(batch, i)
+        assert row[0].cache[1] is None and bits_equal(row[0].cache[0], rows[i][0][0])
+    store.put_row("m@x", [5, 6, 7, 8], batch, 1)
+    got = store.get("m@x", [5, 6, 7, 8])
+    assert got[0].cache[1] is None and bits_equal(got[0].cache[0], rows[1][0][0])
+    joined = merge_rows(batch, [rows[0]])  # a row joins a running batch the same way
+    assert joined[0].cache[1] is None and bits_equal(joined[0].cache[0][3:], rows[0][0][0])
+
+
 # -- BatchGenerator.extract_cache results store directly ------------------------------------
 
 
