@@ -569,3 +569,13 @@ def test_a_warmup_id_that_is_not_a_finite_number_is_a_line_error(tmp_path):
     records, errors = read_prompts(f)
     assert [r.id for r in records] == [1]
     assert [(e.line, e.id) for e in errors] == [(2, "nan"), (3, "-inf")] and "finite" in errors[0].reason
+
+
+def test_a_manifest_too_large_says_what_made_it_large():
+    import numpy as np
+
+    common = dict(model="m", model_name="m", layers=[], payload=0, created=0.0, trimmable=True, entry_id="0" * 16)
+    with pytest.raises(InvalidInput, match="store less meta"):
+        _entry.pack_manifest(tokens=np.arange(4), meta={f"k{i}": "x" * (1 << 20) for i in range(65)}, **common)
+    with pytest.raises(InvalidInput, match=r"17000000 tokens in 1 blocks over 0 layers: a larger block_tokens"):
+        _entry.pack_manifest(tokens=np.zeros(17_000_000, dtype=np.uint32), meta={}, **common)

@@ -243,7 +243,10 @@ def pack_manifest(
     except (TypeError, ValueError, OverflowError) as err:
         raise InvalidInput(f"entry metadata is not serialisable: {err}") from err
     if len(raw) > MAX_MANIFEST:  # unpack_manifest would refuse it: never write what cannot be read
-        raise InvalidInput(f"the entry's manifest would be {len(raw)} bytes, over {MAX_MANIFEST}: store less metadata")
+        meta_bytes = len(msgpack.packb(meta, use_bin_type=True))
+        fix = ("store less meta" if 2 * meta_bytes >= len(raw) else f"{len(tokens)} tokens in {max(len(bounds), 1)} "
+               f"blocks over {len(layers)} layers: a larger block_tokens (fewer blocks), or a shorter entry")
+        raise InvalidInput(f"the entry's manifest would be {len(raw)} bytes, over {MAX_MANIFEST} ({meta_bytes} of meta): {fix}")
     raw = raw[:-8] + xxhash.xxh3_64_digest(raw[:-8])
     if read_back:
         try:
