@@ -9,6 +9,7 @@ import click
 from promptstore.cli._common import command, emit_json, guarded, json_option, model_option, store_option
 from promptstore.cli._model import MODEL_HELP, model_folder
 from promptstore.errors import InvalidInput
+from promptstore.jobs.prefill import check_tokenizer
 from promptstore.serving import DEFAULT_CHECKPOINTS
 from promptstore.serving._server import check_server_args
 from promptstore.serving._server import serve as run_server
@@ -76,6 +77,7 @@ def serve(obj, model_dir, checkpoints, draft_dir, num_draft_tokens, as_json, ser
     release stored under the folder-named identity are found as by `get`.
     """
     path = model_folder(model_dir)
+    check_tokenizer(str(path))  # mlx_lm.server loads it only for the first request, in its generation thread
     args = list(server_args)
     if draft_dir is not None:
         args += ["--draft-model", str(model_folder(draft_dir))]

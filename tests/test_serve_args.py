@@ -29,3 +29,17 @@ def test_serve_refuses_bad_server_options_before_opening_the_store(tmp_path, arg
 def test_good_server_options_pass_the_check():
     check_server_args(str(MODELS / "llama"), ["--port", "8123", "--prompt-cache-size", "4", "--log-level", "DEBUG"])
     check_server_args(str(MODELS / "llama"), [])
+
+
+def test_serve_refuses_a_model_whose_tokenizer_cannot_load_before_opening_the_store(tmp_path):
+    """mlx_lm.server loads the tokenizer in its generation thread: the server
+    started, every request answered "generation thread died", and it exited 0."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(MODELS / "llama" / name, broken / name)
+    doc = error(tmp_path / "store", "serve", "--model", str(broken), "--port", "1", code=1)
+    assert doc["error"] == "InvalidInput" and "tokenizer" in doc["message"] and str(broken) in doc["message"]
+    assert not (tmp_path / "store").exists()

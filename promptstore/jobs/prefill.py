@@ -71,6 +71,24 @@ def load_model(path: str, adapter_path: Optional[str] = None) -> Tuple[Any, Any]
         raise InvalidInput(f"{p}: cannot load {what}: {type(err).__name__}: {err}") from err
 
 
+def check_tokenizer(path: str) -> None:
+    """Load the tokenizer of the model at ``path`` (a folder or a Hugging
+    Face id in the local cache) and drop it: for a command that hands the
+    model to code that loads it later, where a failure would surface only
+    then (mlx-lm's server loads it in its generation thread, per request).
+
+    Raises:
+        InvalidInput: the tokenizer cannot be loaded, naming why.
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    p = resolve_model(path)
+    try:
+        load_tokenizer(p)
+    except Exception as err:  # transformers raises ValueError, OSError, ... on missing or bad files
+        raise InvalidInput(f"{p}: cannot load the model's tokenizer: {type(err).__name__}: {err}") from err
+
+
 def check_text(text: Any, what: str) -> None:
     """Refuse a str that cannot be UTF-8 (a lone surrogate: bytes that were
     not UTF-8, decoded as the command line decodes them).
