@@ -59,9 +59,9 @@ def gc(obj, budget, dry_run, yes, as_json):
     The data file does not shrink: run `promptstore compact`.
     """
     # A dry run only reads: it plans on a store this user may only read, too.
+    new_budget = None if budget is None or budget.lower() == "none" else parse_bytes(budget)  # a usage error first
     local = obj.local_only()
     store = local.reader() if dry_run else local.existing_store()
-    new_budget = None if budget is None or budget.lower() == "none" else parse_bytes(budget)
     target = new_budget if budget is not None else store.budget
     plan = store.gc(budget=target, dry_run=True) if target is not None else None
     evicting = plan.evicted if plan else ()

@@ -53,6 +53,9 @@ def test_gc_compact_salvage(tmp_path):
     assert code == 1 and "not empty" in json.loads(out)["message"]
     code, out = run("--store", path, "gc", "--budget", "lots")
     assert code == 2
+    for dry in ((), ("--dry-run",)):  # a bad size is the usage error, even where no store is
+        code, out = run("--store", tmp_path / "none", "gc", "--budget", "-1", *dry)
+        assert code == 2 and "is not a size" in out, out
 
 
 def test_salvage_that_saves_nothing_fails(tmp_path):
