@@ -137,6 +137,18 @@ def test_put_messages_nested_too_deeply_is_invalid_input(cli, tmp_path, as_json)
     assert not (tmp_path / "store").exists()  # refused before the store was opened
 
 
+def test_put_messages_whose_every_content_is_empty_is_invalid_input(cli, tmp_path):
+    """As an empty prompt is: the entry would hold the chat template alone."""
+    empty = tmp_path / "empty.json"
+    empty.write_text('[{"role": "system", "content": ""}, {"role": "user", "content": "  "}]')
+    doc = js(cli("put", "--model", LLAMA, "--messages", str(empty), "--json", code=1))
+    assert doc["error"] == "InvalidInput" and "every message's content is empty" in doc["message"]
+    assert not (tmp_path / "store").exists()
+    one = tmp_path / "one.json"  # one empty message among others is a conversation like any
+    one.write_text('[{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}]')
+    assert js(cli("put", "--model", LLAMA, "--messages", str(one), "--json"))["tokens"] > 0
+
+
 def test_kv_bits_on_a_sliding_window_model_is_invalid_input(cli, stored):
     """mlx-lm cannot quantize a RotatingKVCache ("Quantization NYI"): a typed
     error naming the option, not 'a bug', and the store keeps what it had."""

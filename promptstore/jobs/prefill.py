@@ -105,7 +105,8 @@ def check_text(text: Any, what: str) -> None:
 
 
 def check_messages(messages: Any) -> None:
-    """Refuse anything but a non-empty list of ``{"role": str, "content": str | list}``.
+    """Refuse anything but a non-empty list of ``{"role": str, "content": str | list}``,
+    and a list whose every content is empty (or white space).
 
     Raises:
         InvalidInput: naming the first bad message by its index.
@@ -124,6 +125,9 @@ def check_messages(messages: Any) -> None:
             raise InvalidInput(f"message {i}: \"content\" must be a string (or a list of content parts)")
         check_text(m["role"], f"message {i}'s role")
         check_text(m["content"], f"message {i}'s content")
+    if all(not m["content"] or (isinstance(m["content"], str) and not m["content"].strip()) for m in messages):
+        # as an empty prompt is refused: the cache would hold the chat template alone
+        raise InvalidInput("every message's content is empty: there is nothing to cache but the chat template")
 
 
 def _template(tokenizer: Any, messages: List[Dict[str, Any]], **kwargs: Any) -> List[int]:
