@@ -188,3 +188,37 @@ def test_puts_that_grow_the_map_while_other_threads_get(tmp_path):
     assert store.env.env.info()["map_size"] >= 16 << 20
     assert same_cache(store.get(MODEL, [59] * 128), [kv(59, 128)])
     store.close()
+
+
+def test_hits_and_misses_counted_once_while_threads_put(tmp_path):
+    """Each write transaction writes the hits and misses recorded so far.
+    Kept recorded until the commit's callback, they were written again by
+    another thread's transaction begun in between (6,865 misses stored for
+    6,000 lookups): taken at once, they are put back only if it aborts."""
+    from mlx_lm.models.cache import KVCache
+    import mlx.core as mx
+
+    def kv(n, v):
+        c = KVCache()
+        k = mx.full((1, 1, n, 8), v, dtype=mx.float16)
+        c.update_and_fetch(k, k)
+        return c
+
+    lookups, puts = 1500, 150
+    with PromptStore(tmp_path / "s", shared_blocks=False) as store:
+        def reader(i):
+            for j in range(lookups):
+                assert store.lookup(MODEL, [10_000 + i, j]) is None
+
+        def writer(i):
+            for j in range(puts):
+                store.put(MODEL, [i, j, 1, 2], [kv(4, float(j))])
+                store.flush()
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+        threads += [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert store.counters() == {"hits": 0, "misses": 2 * lookups}

@@ -439,19 +439,18 @@ class Env:
         finally:
             self._gate.leave(me)
 
-    def after_commit(self, call: Callable[[], None]) -> None:
+    def after_commit(self, call: Callable[[], None], undo: Optional[Callable[[], None]] = None) -> None:
         """Run ``call`` once the write transaction this thread is inside has
-        committed (never if it aborts or is retried). For work outside LMDB
-        that must not happen before the commit, such as unlinking the blob
-        file of an entry the transaction deletes. A failing call is logged."""
-        calls = getattr(self._pending, "calls", None)
-        if calls is None:
+        committed (if it aborts or is retried, ``undo`` instead): work outside
+        LMDB that must wait for the commit, such as unlinking the blob file of
+        an entry it deletes. A failing call is logged."""
+        if getattr(self._pending, "calls", None) is None:
             raise RuntimeError("after_commit() outside a write transaction")
-        calls.append(call)
+        self._pending.calls.append((call, undo))
 
     def _run_pending(self) -> None:
         calls, self._pending.calls = self._pending.calls, None
-        for call in calls:
+        for call, _ in calls:
             try:
                 call()
             except Exception as err:  # the commit stands; leftovers are swept later
@@ -504,17 +503,18 @@ class Env:
                     txn.abort()
                     raise
             finally:
-                self._pending.calls = None
+                pending, self._pending.calls = getattr(self._pending, "calls", None), None
                 self._release(gen, token)
+                for _, undo in pending or ():  # not committed (_run_pending empties it)
+                    if undo is not None:
+                        undo()
 
     # -- compaction --------------------------------------------------------------
 
     def compact(self) -> Tuple[int, int]:
-        """Rewrite the live generation compactly into a new one and switch to it.
-
-        Returns ``(bytes before, bytes after)`` of the data file. Safe while
-        other processes use the store (see the module docstring).
-        """
+        """Rewrite the live generation compactly into a new one and switch to it:
+        ``(bytes before, bytes after)`` of the data file. Safe while other
+        processes use the store (see the module docstring)."""
         self.check_pid()
         if self.readonly:
             raise StoreUnavailable(f"{self.path}: cannot compact a store opened read-only")

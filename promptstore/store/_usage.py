@@ -30,7 +30,7 @@ FLUSH_EVERY = 2.0  # seconds: the longest a read's last use stays unwritten whil
 class Usage:
     """Recorded, not yet written, last uses and counters of one PromptStore."""
 
-    def __init__(self, tables: Tables, after_commit: Callable[[Callable[[], None]], None]):
+    def __init__(self, tables: Tables, after_commit: Callable[[Callable[[], None], Callable[[], None]], None]):
         self._db = tables
         self._after_commit = after_commit  # the store's ``Env.after_commit``
         self._lock = threading.Lock()
@@ -66,13 +66,14 @@ class Usage:
         return max(stored, self._touched.get(ekey, 0.0))
 
     def flush_in(self, txn) -> None:
-        """Write what was recorded, inside write transaction ``txn``. It stays
-        recorded until ``txn`` commits: a transaction retried (map growth) or
-        aborted (a put refused) writes it again or leaves it for the next."""
+        """Write what was recorded, inside write transaction ``txn``. Last uses
+        stay recorded until ``txn`` commits, and counts taken by a transaction
+        that does not commit are counted again: a transaction retried (map
+        growth) writes them again, one aborted (a put refused) leaves them to the next."""
         with self._lock:
-            touched, counts = dict(self._touched), Counter(self._counts)
+            touched, counts, self._counts = dict(self._touched), self._counts, Counter()
             self._flushed = time.monotonic()
-        self._after_commit(lambda: self._written(touched, counts))
+        self._after_commit(lambda: self._written(touched), lambda: self._unwritten(counts))
         db = self._db
         for ekey, ts in touched.items():
             if txn.get(ekey, db=db.entries) is not None:
@@ -81,14 +82,18 @@ class Usage:
             key = stat_key(what)
             txn.put(key, U64.pack(u64_or(txn.get(key, db=db.info)) + n), db=db.info)
 
-    def _written(self, touched: Dict[bytes, float], counts: Counter) -> None:
-        """Forget what a committed flush wrote (a use recorded again since stays)."""
+    def _written(self, touched: Dict[bytes, float]) -> None:
+        """Forget the last uses a committed flush wrote (one recorded again since stays)."""
         with self._lock:
             for ekey, ts in touched.items():
                 if self._touched.get(ekey) == ts:
                     del self._touched[ekey]
-            self._counts.subtract(counts)
-            self._counts = +self._counts
+
+    def _unwritten(self, counts: Counter) -> None:
+        """Count again what a flush whose transaction did not commit took (taken
+        at once, so that no other transaction writes them too)."""
+        with self._lock:
+            self._counts.update(counts)
 
     def flush_soon(self, env: Env, flush: Callable[[], None]) -> None:
         """Have what is recorded written within :data:`FLUSH_EVERY` seconds by
