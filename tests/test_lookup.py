@@ -5,11 +5,14 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache
 
 from conftest import greedy, load_fixture, sample_tokens
+from _raw import blocks_of, set_block
 from promptstore.jobs.prefill import prefill
+from promptstore.store import _keys
 
 
 def _prefilled(name, tokens):
@@ -192,3 +195,160 @@ def test_many_short_entries_under_one_node(store):
     assert store.lookup("m", base).matched == 30
     assert store.lookup("m", [base[0], 600 + 299] + base[2:50]).matched == 40
     assert store.lookup("m", [base[0], 1000] + base[2:50]) is None
+
+
+# -- every usable candidate, best first: a candidate that fails hides no other --------
+
+
+def _kv(n, seed):
+    """A one-layer KV cache of ``n`` tokens, its content its own (no block shared by chance)."""
+    a = mx.array(np.random.default_rng(seed).standard_normal((1, 1, n, 2)).astype(np.float16))
+    c = KVCache()
+    c.keys, c.values, c.offset = a, a + 1, n
+    return [c]
+
+
+def _chunked(n, start):
+    """A kv.chunked layer of ``n`` tokens that keeps only those from ``start``
+    (past its first chunk when ``start`` > 0: it cannot be trimmed below it)."""
+    c = ChunkedKVCache(64)
+    a = mx.array(np.arange((n - start) * 2, dtype=np.float16).reshape(1, 1, n - start, 2))
+    c.keys, c.values, c.offset, c.start_position = a, a + 1, n, start
+    return [c]
+
+
+def _unchecked(store, tokens):
+    """Flip the last byte of the manifest of ``tokens`` (its checksum): it
+    still parses, but is no longer intact."""
+    ekey = _keys.entry_key(_keys.model_id("m"), _keys.as_tokens(tokens))
+
+    def damage(txn):
+        raw = bytearray(txn.get(ekey, db=store._db.entries))
+        raw[-1] ^= 0xFF
+        txn.put(ekey, bytes(raw), db=store._db.entries)
+
+    store.env.write(damage)
+
+
+@pytest.mark.parametrize("far", [3, 9], ids=["before", "after"])
+def test_a_chunked_entry_that_cannot_trim_so_far_does_not_hide_a_sibling(store, far):
+    """Two trimmable entries share the query's 100 tokens; the one the index
+    finds first is a chunked window past its first chunk (it holds tokens from
+    128 on only): the other one serves (whichever side of the query it sorts)."""
+    p = [5] * 100
+    blocked, good = p + [far] * 100, p + [12 - far] * 30
+    store.put("m", blocked, _chunked(200, 128))
+    store.put("m", good, _chunked(130, 0))
+    query = p + [7] * 10
+    assert store.peek("m", query) == 100
+    hit = store.lookup("m", query)
+    assert hit is not None and (hit.matched, hit.info.n_tokens) == (100, 130)
+
+
+@pytest.mark.parametrize("damage", ["manifest", "block"])
+def test_a_damaged_trimmable_entry_does_not_hide_an_intact_sibling(store, damage):
+    """The README's promise: a damaged candidate is skipped, to the next one,
+    here an entry that serves exactly as much."""
+    p = [5] * 100
+    bad, good = p + [9] * 100, p + [3] * 30
+    bad_id = store.put("m", bad, _kv(200, 1)).id
+    good_id = store.put("m", good, _kv(130, 2)).id
+    query = p + [7] * 10
+    assert store.lookup("m", query).info.id == bad_id  # found first: the test would prove nothing otherwise
+    if damage == "manifest":
+        _unchecked(store, bad)
+    else:
+        own = set(blocks_of(store, bad_id)) - set(blocks_of(store, good_id))
+        set_block(store, sorted(own)[0], None)
+    hit = store.lookup("m", query)
+    assert hit is not None and (hit.matched, hit.info.id) == (100, good_id)
+    assert hit.cache[0].offset == 100
+    assert store.peek("m", query) == 100
+
+
+def test_a_damaged_exact_prefix_falls_back_to_a_trimmable_entry_covering_as_much(store):
+    """A conversation stored turn by turn: its shorter entry went bad; the
+    longer one, trimmed, serves the same 100 tokens."""
+    t = list(range(3, 303))
+    store.put("m", t, _kv(300, 1))
+    store.put("m", t[:100], _kv(100, 2))
+    query = t[:100] + [999]
+    assert store.lookup("m", query).info.n_tokens == 100
+    _unchecked(store, t[:100])
+    assert store.peek("m", query) == 100
+    hit = store.lookup("m", query)
+    assert hit is not None and (hit.matched, hit.trimmed, hit.info.n_tokens) == (100, 200, 300)
+
+
+def test_a_damaged_exact_prefix_falls_back_to_the_next_best_in_order(store):
+    """Candidates in order of tokens usable, exact and trimmed alike: with the
+    100-token exact prefix damaged, the trimmable entry sharing 80 tokens comes
+    before the 20-token exact prefix."""
+    p = list(range(3, 103))
+    store.put("m", p, _kv(100, 1))
+    store.put("m", p[:20], _kv(20, 2))
+    store.put("m", p[:80] + [999] * 50, _kv(130, 3))
+    query = p + [5]
+    assert store.lookup("m", query).matched == 100
+    _unchecked(store, p)
+    hit = store.lookup("m", query)
+    assert hit is not None and (hit.matched, hit.info.n_tokens) == (80, 130)
+
+
+def test_fallback_matches_brute_force(store):
+    """Trimmable, chunked (some past their first chunk) and recurrent entries,
+    some of them damaged: lookup restores the best entry that can serve."""
+    rng = random.Random(17)
+    stems = [sample_tokens(rng.randrange(150, 400), seed=300 + i) for i in range(3)]
+    stored = []  # (tokens, kind, floor, damaged)
+    for i in range(90):
+        toks = rng.choice(stems)
+        toks = toks[: rng.randrange(1, len(toks))] + sample_tokens(rng.randrange(0, 150), seed=4000 + i)
+        if any(toks == t for t, *_ in stored):
+            continue
+        kind = rng.choice(["kv", "chunked", "recurrent"])
+        floor = rng.choice([0, 64, 128]) if kind == "chunked" and len(toks) > 128 else 0
+        if kind == "kv":
+            store.put("m", toks, _kv(len(toks), i))
+        elif kind == "chunked":
+            store.put("m", toks, _chunked(len(toks), floor))
+        else:
+            store.put("m", toks, _tiny(len(toks), trimmable=False), coverage=len(toks))
+        damaged = rng.random() < 0.25
+        if damaged:
+            _unchecked(store, toks)
+        stored.append((toks, kind, floor, damaged))
+    for q in range(120):
+        stem = rng.choice(stems)
+        query = stem[: rng.randrange(1, len(stem) + 1)] + sample_tokens(rng.randrange(0, 40), seed=8000 + q)
+        best = 0
+        for toks, kind, floor, damaged in stored:
+            if damaged:
+                continue
+            if len(toks) <= len(query) and query[: len(toks)] == toks:
+                best = max(best, len(toks))
+            elif kind != "recurrent" and _lcp(toks, query) >= floor:
+                best = max(best, _lcp(toks, query))
+        hit = store.lookup("m", query)
+        assert (hit.matched if hit else 0) == best, q
+
+
+def test_further_trimmable_candidates_are_read_on_demand_and_bounded(store, monkeypatch):
+    """Siblings sharing a prefix with the query: a lookup whose first candidate
+    serves reads its manifest alone; when every one fails, it gives up after
+    TRIM_READS manifests, however many share the prefix."""
+    from promptstore.store._index import TRIM_READS
+
+    p = [5] * 100
+    for i in range(TRIM_READS + 8):
+        store.put("m", p + [10 + i] * 100, _chunked(200, 128))  # cannot serve 100 tokens
+    query = p + [7] * 10
+    read = []
+    safe = store._reader.safe_manifest
+    monkeypatch.setattr(store._reader, "safe_manifest", lambda txn, ekey: read.append(ekey) or safe(txn, ekey))
+    assert store.lookup("m", query) is None and store.peek("m", query) == 0
+    assert len(read) == 2 * TRIM_READS
+    store.put("m", p + [8] * 30, _kv(130, 1))  # sorts next to the query: found first
+    read.clear()
+    hit = store.lookup("m", query)
+    assert (hit.matched, hit.info.n_tokens) == (100, 130) and len(read) == 1

@@ -17,15 +17,19 @@ turn added, not what the conversation holds.
 * ``trims`` (trimmable entries only): under node k, each distinct block of
   tokens (big-endian u32, at most ``BLOCK``) that trimmable entries through
   the node continue with, value how many child segments and entry ends it
-  has. Keys sort like token sequences, so within the query's deepest block
-  the segment sharing the longest prefix with the query is a neighbour of
-  the query's own segment; following first segments down from it reaches a
-  trimmable entry that shares that prefix, to be trimmed.
+  has. Keys sort like token sequences, so within a block of the query the
+  segments sharing the longest prefix with the query are the neighbours of
+  the query's own segment, and the further from it, the less they share;
+  following first segments down from one reaches a trimmable entry that
+  shares that prefix, to be trimmed, and walking on reaches the others.
 
 A query costs one vectorised hash pass, O(log(L/BLOCK)) node probes, a cursor
 walk and two neighbour reads (plus one read per block below the branch point
 when a trimmed entry is best): it grows with the query, never with the number
-of entries. Hashes only address; every candidate is checked token by token.
+of entries. Should the best candidates fail (damaged, or a chunked window that
+cannot be trimmed so far), the next ones are read on demand, at most
+``TRIM_READS`` trimmable ones. Hashes only address; every candidate is
+checked token by token.
 
 Stores written before ``trims`` (store format 1) kept, in ``segs``, one
 record per block of every trimmable entry naming it; opened read-only they
@@ -44,6 +48,7 @@ from promptstore.store import _keys
 from promptstore.store._schema import ENDS, NODES, SEGS, TRIMS, U32, U64, Tables, end_value, node_key, parse_end
 
 BLOCK = 64
+TRIM_READS = 16  # trimmable entries' manifests one query reads at most
 _COUNT = U32
 
 ManifestOf = Callable[[bytes], Optional[Manifest]]  # entry key -> Manifest or None (damaged/missing)
@@ -182,41 +187,51 @@ def _probe_ends(cur, nk: bytes, hashes: np.ndarray, lo: int, hi: int) -> Iterato
             ok = cur.next_dup()
 
 
-def best_trim(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Optional[Tuple[int, bytes, Manifest]]:
-    """The trimmable entry sharing the longest prefix with ``toks``: ``(common, key, manifest)``.
+def trimmed(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int,
+            manifest: ManifestOf) -> Iterator[Tuple[int, Optional[bytes], Optional[Manifest]]]:
+    """Trimmable entries that share a prefix with ``toks`` but are not
+    prefixes of it (:func:`exact_prefixes` finds those), most tokens shared
+    first: ``(common, key, manifest)``. Before the entries of each node and
+    of each of its segments, a bound ``(most, None, None)``: no entry after
+    it shares more than ``most`` tokens, so a caller that has a candidate as
+    good stops there, before anything below is read.
 
-    From the deepest node down, the first node that holds trimmable segments
-    has the answer among the two neighbours of the query's own segment: every
-    trimmable entry through a deeper node would have been found there. A node
-    whose candidates turn out not to share its prefix with the query (a hash
-    collision) is passed over.
+    From the deepest node up, every entry through node k shares ``k*BLOCK``
+    tokens with the query and what its segment there shares with the
+    query's: in key order, segments share less the further they lie from
+    the query's own, so both directions from it are merged. Below a
+    segment, its entries follow in key order (an entry before those that
+    continue it). A segment that is the query's own full block leads to the
+    nodes already walked; one that ends inside the query's block ends exact
+    prefixes: both passed over unread. An entry that does not carry the
+    query's ``k*BLOCK`` tokens (node k reached by a collision of the prefix
+    hash) is passed over. At most ``TRIM_READS`` manifests are read (or index
+    dead ends met): the cost stays bounded by the query however many entries
+    share a prefix with it and fail.
     """
     if TRIMS not in dbs:
-        return _best_trim_segs(txn, dbs, mid, toks, hashes, deepest, manifest)
-    cur = txn.cursor(db=dbs.trims)
+        best = _best_trim_segs(txn, dbs, mid, toks, hashes, deepest, manifest)
+        if best is not None and 0 < best[0] < len(best[2].tokens):
+            yield best
+        return
+    right, left, down, ends = (txn.cursor(db=db) for db in (dbs.trims, dbs.trims, dbs.trims, dbs.ends))
+    reads = 0
     for k in range(deepest, -1, -1):
+        yield min(len(toks), (k + 1) * BLOCK - 1), None, None
         nk = node_key(mid, hashes[k * BLOCK], k)
         q = _seg(toks, k)
-        segs = [seg for seg in _neighbour_keys(cur, nk, nk + q)]
-        if not segs:
-            continue
-        best = None
-        for seg in sorted(segs, key=lambda seg: -_common(seg, q)):
-            found = _descend(txn, dbs, cur, mid, toks[: k * BLOCK], int(hashes[k * BLOCK]), k, seg, manifest)
-            if found is None:
+        for seg, c in _by_common(right, left, nk, q):
+            if k * BLOCK + c == 0:
+                return  # nothing shared, from here on
+            if c == len(seg) // 4:
                 continue
-            man, ekey = found
-            m = min(len(man.tokens), len(toks))
-            same = man.tokens[:m] == toks[:m]
-            common = m if same.all() else int(np.argmin(same))
-            if best is None or common > best[0]:
-                best = (common, ekey, man)
-        if best is not None and best[0] >= k * BLOCK:
-            return best
-        # Node k's entries do not share its k*BLOCK tokens with the query: the
-        # query reached it by a collision of the prefix hash (crafted input
-        # does it). Go on to the nodes above, where a real match may be.
-    return None
+            yield k * BLOCK + c, None, None
+            for ekey, man in _below(down, ends, mid, toks[: k * BLOCK], int(hashes[k * BLOCK]), k, seg, manifest):
+                if man is not None:
+                    yield k * BLOCK + c, ekey, man
+                reads += 1
+                if reads >= TRIM_READS:
+                    return
 
 
 def _common(a: bytes, b: bytes) -> int:
@@ -226,54 +241,87 @@ def _common(a: bytes, b: bytes) -> int:
     return n if x.all() else int(np.argmin(x))
 
 
-def _neighbour_keys(cur, nk: bytes, query: bytes) -> Iterator[bytes]:
-    """The segments under ``nk`` just after and just before ``query``."""
-    if cur.set_range(query):
-        if bytes(cur.key()).startswith(nk):
-            yield bytes(cur.key())[len(nk) :]
-        if cur.prev() and bytes(cur.key()).startswith(nk):
-            yield bytes(cur.key())[len(nk) :]
-    elif cur.last() and bytes(cur.key()).startswith(nk):
-        yield bytes(cur.key())[len(nk) :]
+def _by_common(right, left, nk: bytes, q: bytes) -> Iterator[Tuple[bytes, int]]:
+    """The segments under ``nk``, each with the tokens it shares with ``q``,
+    most first (ties: the one after ``q`` first): walked out from ``q``'s
+    place in both directions."""
+
+    def seg(cur, ok: bool) -> Optional[bytes]:
+        key = bytes(cur.key()) if ok else b""
+        return key[len(nk) :] if key.startswith(nk) else None
+
+    if right.set_range(nk + q):
+        after = seg(right, True)
+        before = seg(left, left.set_range(nk + q) and left.prev())
+    else:
+        after, before = None, seg(left, left.last())
+    while after is not None or before is not None:
+        a = _common(after, q) if after is not None else -1
+        b = _common(before, q) if before is not None else -1
+        if after is not None and a >= b:
+            yield after, a
+            after = seg(right, right.next())
+        elif before is not None:
+            yield before, b
+            before = seg(left, left.prev())
 
 
-def _descend(txn, dbs: Tables, cur, mid: bytes, prefix: np.ndarray, h: int, k: int, seg: bytes, manifest: ManifestOf) -> Optional[Tuple[Manifest, bytes]]:
-    """A trimmable entry whose tokens continue ``prefix`` (``k*BLOCK`` tokens,
-    hash ``h``) with segment ``seg``: follow the first segment of each node
-    down to one that ends an entry."""
-    parts = [prefix]
-    n = len(prefix)
-    nk = node_key(mid, h, k)
+def _below(cur, ends, mid: bytes, prefix: np.ndarray, h: int, k: int, seg: bytes,
+           manifest: ManifestOf) -> Iterator[Tuple[Optional[bytes], Optional[Manifest]]]:
+    """The trimmable entries whose tokens continue ``prefix`` (``k*BLOCK``
+    tokens, hash ``h``) with segment ``seg``, in key order: ``(key,
+    manifest)`` for each manifest read, the manifest None when it is not
+    such an entry; ``(None, None)`` where the index leads nowhere (it is
+    inconsistent there: ``verify --fix`` rebuilds it)."""
+    nks, segs, hs = [node_key(mid, h, k)], [seg], [h]
     while True:
-        block = np.frombuffer(seg, dtype=">u4").astype(np.uint32)
-        parts.append(block)
-        h = _keys.extend_hash(h, block)
-        n += len(block)
-        if len(block) < BLOCK:
-            break
-        k += 1
-        nk = node_key(mid, h, k)
-        if not (cur.set_range(nk) and bytes(cur.key()).startswith(nk)):
-            return None  # the index is inconsistent here (verify --fix rebuilds it)
-        seg = bytes(cur.key())[len(nk) :]
-    tokens = np.concatenate(parts)
-    ends = txn.cursor(db=dbs.ends)
+        block = np.frombuffer(segs[-1], dtype=">u4").astype(np.uint32)
+        after = _keys.extend_hash(hs[-1], block)
+        if len(block) < BLOCK:  # an entry ends here
+            n = (k + len(segs) - 1) * BLOCK + len(block)
+            tokens = np.concatenate([prefix] + [np.frombuffer(s, dtype=">u4") for s in segs]).astype(np.uint32)
+            found = False
+            for ekey in _ends_at(ends, nks[-1], n, after):
+                found = True
+                man = manifest(ekey)
+                ok = man is not None and man.trimmable and len(man.tokens) == n and np.array_equal(man.tokens, tokens)
+                yield ekey, man if ok else None
+            if not found:
+                yield None, None
+        else:
+            child = node_key(mid, after, k + len(segs))
+            if cur.set_range(child) and bytes(cur.key()).startswith(child):
+                nks.append(child)
+                segs.append(bytes(cur.key())[len(child) :])
+                hs.append(after)
+                continue
+            yield None, None
+        # On to the next segment of this node, else of a node above (not above the first).
+        while len(segs) > 1:
+            if cur.set_range(nks[-1] + segs[-1]) and cur.next() and bytes(cur.key()).startswith(nks[-1]):
+                segs[-1] = bytes(cur.key())[len(nks[-1]) :]
+                break
+            nks.pop()
+            segs.pop()
+            hs.pop()
+        else:
+            return
+
+
+def _ends_at(ends, nk: bytes, n: int, h: int) -> Iterator[bytes]:
+    """The keys of the entries of ``n`` tokens of prefix hash ``h`` ending under node ``nk``."""
     probe = U32.pack(n) + U64.pack(h)
     ok = ends.set_range_dup(nk, probe)
     while ok:
         value = bytes(ends.value())
         if value[:12] != probe:
             break
-        ekey = value[12:]
-        man = manifest(ekey)
-        if man is not None and man.trimmable and len(man.tokens) == n and np.array_equal(man.tokens, tokens):
-            return man, ekey
+        yield value[12:]
         ok = ends.next_dup()
-    return None
 
 
 def _best_trim_segs(txn, dbs: Tables, mid: bytes, toks: np.ndarray, hashes: np.ndarray, deepest: int, manifest: ManifestOf) -> Optional[Tuple[int, bytes, Manifest]]:
-    """:func:`best_trim` over a store-format-1 index (``segs``: one record
+    """The best of :func:`trimmed` over a store-format-1 index (``segs``: one record
     per block of each trimmable entry, naming it), opened read-only."""
     if SEGS not in dbs:
         return None
@@ -329,8 +377,10 @@ def candidates(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: Manifes
                hashes: Optional[np.ndarray] = None) -> Iterator[Tuple[bytes, int, Manifest]]:
     """Usable entries best first: ``(entry key, tokens usable, manifest)``.
 
-    The longest exact prefix, unless a trimmable entry shares more with the
-    query; then the shorter exact prefixes, should the better ones be damaged.
+    Exact prefixes and trimmable entries merged by the tokens they share
+    with the query (an exact prefix first among equals: nothing to trim),
+    each read only when the caller asks for the next, should the better
+    ones be damaged or unable to serve.
     ``hashes``: ``prefix_hashes(toks)``, when the caller has them.
     """
     if hashes is None:
@@ -339,11 +389,14 @@ def candidates(txn, dbs: Tables, mid: bytes, toks: np.ndarray, manifest: Manifes
     if deepest < 0:
         return
     exact = exact_prefixes(txn, dbs, mid, toks, hashes, deepest, manifest)
-    first = next(exact, None)
-    trim = best_trim(txn, dbs, mid, toks, hashes, deepest, manifest)
-    if trim is not None and trim[0] > (first[0] if first else 0):
-        yield trim[1], trim[0], trim[2]
-    if first is not None:
-        yield first[1], first[0], first[2]
-        for n, ekey, man in exact:
-            yield ekey, n, man
+    trims = trimmed(txn, dbs, mid, toks, hashes, deepest, manifest)
+    e, t = next(exact, None), next(trims, None)
+    while e is not None or t is not None:
+        if t is not None and (e is None or t[0] > e[0]):
+            common, ekey, man = t
+            if ekey is not None and man is not None:  # else a bound: read on
+                yield ekey, common, man
+            t = next(trims, None)
+        elif e is not None:
+            yield e[1], e[0], e[2]
+            e = next(exact, None)
