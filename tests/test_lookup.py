@@ -283,7 +283,7 @@ def test_a_damaged_exact_prefix_falls_back_to_a_trimmable_entry_covering_as_much
 def test_a_damaged_exact_prefix_falls_back_to_the_next_best_in_order(store):
     """Candidates in order of tokens usable, exact and trimmed alike: with the
     100-token exact prefix damaged, the trimmable entry sharing 80 tokens comes
-    before the 20-token exact prefix."""
+    before the 20-token exact prefix; peek says what lookup will serve."""
     p = list(range(3, 103))
     store.put("m", p, _kv(100, 1))
     store.put("m", p[:20], _kv(20, 2))
@@ -291,13 +291,15 @@ def test_a_damaged_exact_prefix_falls_back_to_the_next_best_in_order(store):
     query = p + [5]
     assert store.lookup("m", query).matched == 100
     _unchecked(store, p)
+    assert store.peek("m", query) == 80
     hit = store.lookup("m", query)
     assert hit is not None and (hit.matched, hit.info.n_tokens) == (80, 130)
 
 
 def test_fallback_matches_brute_force(store):
     """Trimmable, chunked (some past their first chunk) and recurrent entries,
-    some of them damaged: lookup restores the best entry that can serve."""
+    some of them damaged: lookup restores the best entry that can serve, and
+    peek says as much."""
     rng = random.Random(17)
     stems = [sample_tokens(rng.randrange(150, 400), seed=300 + i) for i in range(3)]
     stored = []  # (tokens, kind, floor, damaged)
@@ -318,8 +320,8 @@ def test_fallback_matches_brute_force(store):
         if damaged:
             _unchecked(store, toks)
         stored.append((toks, kind, floor, damaged))
-    for q in range(120):
-        stem = rng.choice(stems)
+    for q in range(150):
+        stem = rng.choice(stems) if q % 2 else rng.choice(stored)[0]  # or into one entry's own tokens
         query = stem[: rng.randrange(1, len(stem) + 1)] + sample_tokens(rng.randrange(0, 40), seed=8000 + q)
         best = 0
         for toks, kind, floor, damaged in stored:
@@ -329,6 +331,7 @@ def test_fallback_matches_brute_force(store):
                 best = max(best, len(toks))
             elif kind != "recurrent" and _lcp(toks, query) >= floor:
                 best = max(best, _lcp(toks, query))
+        assert store.peek("m", query) == best, q
         hit = store.lookup("m", query)
         assert (hit.matched if hit else 0) == best, q
 
@@ -352,3 +355,16 @@ def test_further_trimmable_candidates_are_read_on_demand_and_bounded(store, monk
     read.clear()
     hit = store.lookup("m", query)
     assert (hit.matched, hit.info.n_tokens) == (100, 130) and len(read) == 1
+
+
+def test_peek_passes_over_an_entry_a_read_found_damaged(store):
+    """Once a restore found a block of an entry damaged, peek no longer
+    promises what lookup will skip."""
+    t = sample_tokens(200, seed=21)
+    short_id = store.put("m", t[:100], _kv(100, 1)).id
+    long_id = store.put("m", t, _kv(200, 2)).id
+    set_block(store, sorted(set(blocks_of(store, long_id)) - set(blocks_of(store, short_id)))[0], None)
+    query = t + [1]
+    assert store.peek("m", query) == 200  # nothing read yet: the manifest is whole
+    assert store.lookup("m", query).matched == 100
+    assert store.peek("m", query) == 100

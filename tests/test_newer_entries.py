@@ -99,6 +99,15 @@ def test_verify_lists_newer_entries_and_fix_keeps_them(store, change, caplog):
     assert len(list(store.entries())) == (3 if change is not fmt else 2)  # ls cannot read a newer format
 
 
+@pytest.mark.parametrize("change", [kind, version, fmt], ids=["kind", "codec-version", "entry-format"])
+def test_peek_passes_over_a_newer_entry_as_lookup_does(store, change):
+    store.put(MODEL, list(range(100)), kv(100, 0))
+    store.put(MODEL, list(range(200)), kv(200, 1))
+    rewrite(store, list(range(200)), change)
+    query = list(range(200)) + [9999]
+    assert store.peek(MODEL, query) == store.lookup(MODEL, query).matched == 100
+
+
 def test_a_damaged_manifest_that_looks_newer_is_damage(store):
     store.put(MODEL, list(range(100)), kv(100, 0))
     store.put(MODEL, list(range(200)), kv(200, 1))

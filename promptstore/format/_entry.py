@@ -26,7 +26,7 @@ import xxhash
 
 from promptstore.format._blocks import ADDRESS, block_shape
 from promptstore.format._limits import MAX_ARRAYS, MAX_LAYERS, MAX_MANIFEST, MAX_MAP, MAX_PAYLOAD, MAX_STR, MAX_TOKENS
-from promptstore.codecs import codec_for_kind, decode_layer, trim_floor
+from promptstore.codecs import codec_for_kind, decode_layer, readable_codec, trim_floor
 from promptstore.errors import CorruptEntry, InvalidInput, PromptStoreError, UnsupportedVersion
 
 FORMAT = 4  # the newest entry format this reads: 1 keeps the payload in LMDB, 2 in a blob file,
@@ -145,6 +145,19 @@ class Manifest:
         layer still holds its tokens back to ``n`` (see ``Codec.trim_floor``;
         a layer of an unknown kind says nothing here, its restore fails)."""
         return n >= len(self.tokens) or trim_floor((layer.kind, layer.meta) for layer in self.layers) <= n
+
+    def check_readable(self, where: str) -> None:
+        """Refuse an entry of a newer promptstore before any byte is read.
+
+        Raises:
+            UnknownStorageKind, UnsupportedVersion: a layer's kind or codec
+                version this promptstore cannot decode.
+        """
+        for li, layer in enumerate(self.layers):
+            try:
+                readable_codec(layer.kind, layer.version)
+            except PromptStoreError as err:
+                raise type(err)(f"{where} layer {li}: {err}") from err
 
     def payload_only(self) -> "Manifest":
         """This manifest without its shared-block arrays: what the payload readers read."""

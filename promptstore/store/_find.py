@@ -82,11 +82,24 @@ class Finder:
         return Hit(cache, len(toks), info, 0, man.payload + man.shared_bytes)
 
     def peek(self, env: Env, model: str, toks: np.ndarray) -> int:
-        """Tokens of ``toks`` the longest local candidate covers (manifests only)."""
+        """Tokens of ``toks`` the longest local candidate covers (manifests
+        only): the first candidate :meth:`longest` would not skip for what
+        its manifest tells (of another model, a trim it cannot take, its
+        checksum broken, a codec this promptstore lacks, a block a read of
+        this process found damaged). Damage only its arrays show is not seen."""
         mid = _keys.model_id(model)
         with env.read() as txn:
             manifest = lambda ekey: self._reader.safe_manifest(txn, ekey)  # noqa: E731
-            return next((m for _e, m, man in _index.candidates(txn, env.db, mid, toks, manifest) if man.model == model and man.reaches(m)), 0)
+            return next((m for _e, m, man in _index.candidates(txn, env.db, mid, toks, manifest) if self._may_serve(man, model, m)), 0)
+
+    def _may_serve(self, man: Manifest, model: str, matched: int) -> bool:
+        if man.model != model or not man.reaches(matched) or not man.intact or self._reader.known_damaged(man):
+            return False
+        try:
+            man.check_readable(man.entry_id)
+        except PromptStoreError:
+            return False
+        return True
 
     def prefixes(self, env: Env, model: str, toks: np.ndarray) -> List[EntryInfo]:
         """``PromptStore.prefixes``: the entries whose tokens are a prefix of ``toks``, longest first."""

@@ -37,7 +37,6 @@ from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Se
 import mlx.core as mx
 import numpy as np
 
-from promptstore.codecs import readable_codec
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreError
 from promptstore.format import _blank, _blobs, _blocks, _entry, _fill, _packs, _pages, _payload
 from promptstore.store import _keys
@@ -116,11 +115,7 @@ class Reader:
         its blocks are remembered as damaged.
         """
         where = f"{self.path} entry {man.entry_id}"
-        for li, layer in enumerate(man.layers):  # an entry of a newer promptstore: refused before any byte is read
-            try:
-                readable_codec(layer.kind, layer.version)
-            except PromptStoreError as err:
-                raise type(err)(f"{where} layer {li}: {err}") from err
+        man.check_readable(where)
         try:
             return self._restore(txn, ekey, man, where, remembered)
         except CorruptEntry as err:
