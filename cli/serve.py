@@ -77,16 +77,17 @@ def serve(obj, model_dir, checkpoints, draft_dir, num_draft_tokens, as_json, ser
     release stored under the folder-named identity are found as by `get`.
     """
     path = model_folder(model_dir)
-    check_tokenizer(str(path))  # mlx_lm.server loads it only for the first request, in its generation thread
     args = list(server_args)
     if draft_dir is not None:
         args += ["--draft-model", str(model_folder(draft_dir))]
     if num_draft_tokens is not None:
         args += ["--num-draft-tokens", str(num_draft_tokens)]
     try:
-        check_server_args(str(path), args)  # before the store is opened: a typo creates nothing
+        tokenizer_config = check_server_args(str(path), args)  # before the store is opened: a typo creates nothing
     except InvalidInput as err:
         raise click.UsageError(str(err)) from None
+    if tokenizer_config is not None:  # mlx_lm.server loads it only for the first request, in its generation thread
+        check_tokenizer(str(path), tokenizer_config)
     stats = run_server(str(path), args, store=obj.store, checkpoints=checkpoints)
     if as_json:
         emit_json({"store": str(obj.store.path), "model": str(Path(model_dir)), "model_path": str(path),

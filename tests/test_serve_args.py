@@ -43,3 +43,27 @@ def test_serve_refuses_a_model_whose_tokenizer_cannot_load_before_opening_the_st
     doc = error(tmp_path / "store", "serve", "--model", str(broken), "--port", "1", code=1)
     assert doc["error"] == "InvalidInput" and "tokenizer" in doc["message"] and str(broken) in doc["message"]
     assert not (tmp_path / "store").exists()
+
+
+def test_the_tokenizer_check_loads_as_the_server_will(tmp_path):
+    """With --trust-remote-code a tokenizer with custom code loads (the check
+    refused it, where the server would have loaded it); --chat-template too."""
+    import json
+    import shutil
+
+    from promptstore import InvalidInput
+    from promptstore.jobs.prefill import check_tokenizer
+
+    custom = tmp_path / "custom"
+    shutil.copytree(MODELS / "llama", custom)
+    (custom / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((custom / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]})
+    (custom / "tokenizer_config.json").write_text(json.dumps(config))
+    assert check_server_args(str(custom), []) == {"trust_remote_code": False}
+    with pytest.raises(InvalidInput, match="tokenizer"):
+        check_tokenizer(str(custom), check_server_args(str(custom), []))
+    trusted = check_server_args(str(custom), ["--trust-remote-code", "--chat-template", "{{ 'x' }}"])
+    assert trusted == {"trust_remote_code": True, "chat_template": "{{ 'x' }}"}
+    check_tokenizer(str(custom), trusted)

@@ -71,11 +71,12 @@ def load_model(path: str, adapter_path: Optional[str] = None) -> Tuple[Any, Any]
         raise InvalidInput(f"{p}: cannot load {what}: {type(err).__name__}: {err}") from err
 
 
-def check_tokenizer(path: str) -> None:
+def check_tokenizer(path: str, config: Optional[Dict[str, Any]] = None) -> None:
     """Load the tokenizer of the model at ``path`` (a folder or a Hugging
     Face id in the local cache) and drop it: for a command that hands the
     model to code that loads it later, where a failure would surface only
     then (mlx-lm's server loads it in its generation thread, per request).
+    ``config``: the tokenizer config it will be loaded with (``trust_remote_code``...).
 
     Raises:
         InvalidInput: the tokenizer cannot be loaded, naming why.
@@ -84,7 +85,7 @@ def check_tokenizer(path: str) -> None:
 
     p = resolve_model(path)
     try:
-        load_tokenizer(p)
+        load_tokenizer(p, dict(config or {}))
     except Exception as err:  # transformers raises ValueError, OSError, ... on missing or bad files
         raise InvalidInput(f"{p}: cannot load the model's tokenizer: {type(err).__name__}: {err}") from err
 

@@ -107,9 +107,10 @@ class _Refused(Exception):
     """mlx_lm.server's parser refused the arguments: argparse's message."""
 
 
-def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
+def check_server_args(model_dir: str, server_args: Sequence[str]) -> Optional[Dict[str, Any]]:
     """Parse ``server_args`` as ``mlx_lm.server`` will, loading nothing, so
-    that a caller can refuse them before it opens a store or a model.
+    that a caller can refuse them before it opens a store or a model; the
+    tokenizer config the server will load the tokenizer with (None with ``--help``).
 
     mlx-lm builds its parser inside ``main()``: that runs here with
     argparse's ``parse_args`` ending it once parsed and ``error`` raising
@@ -124,7 +125,7 @@ def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
     from mlx_lm import server as mlx_server
 
     if "-h" in server_args or "--help" in server_args:
-        return
+        return None
     real_parse, real_error, saved_argv = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.error, sys.argv
 
     def parse_args(self, *args, **kwargs):
@@ -148,12 +149,16 @@ def check_server_args(model_dir: str, server_args: Sequence[str]) -> None:
             raise InvalidInput(f"mlx_lm.server refuses its options: --prefill-step-size {step} must be at least 1") from None
         if getattr(args, "draft_model", None) and getattr(args, "kv_bits", None) is not None:  # every request would be refused
             raise InvalidInput(f"--draft-model and --kv-bits: {NO_QUANTIZED_KV}") from None
-        return
+        config: Dict[str, Any] = {"trust_remote_code": bool(getattr(args, "trust_remote_code", False))}  # as its ModelProvider
+        if getattr(args, "chat_template", None):
+            config["chat_template"] = args.chat_template
+        return config
     except _Refused as err:
         raise InvalidInput(f"mlx_lm.server refuses its options: {err}") from None
     finally:
         argparse.ArgumentParser.parse_args, argparse.ArgumentParser.error = real_parse, real_error  # type: ignore[method-assign]
         sys.argv = saved_argv
+    return None  # its main() parsed nothing
 
 
 def _run(mlx_server, host: str, port: int, model_provider, store: Optional[PromptStore], out: Dict[str, Any],
