@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, CacheList
 
 from promptstore.codecs import codec_for_layer, encode_layer, layers_of, rows_for_layer
 from promptstore.codecs._rows import check_joinable
@@ -340,14 +340,20 @@ def _adopt(layer: Any, want: type, coverage: Optional[int], where: str) -> Any:
 
 
 def _merge(layers: List[Any]) -> Any:
-    """mlx-lm's ``merge`` of one layer's rows. An ArraysCache slot that no
-    row holds (a model that leaves one unused) stays None: mlx-lm's own merge
-    stops at it (StopIteration), so the slots some row holds are merged alone."""
+    """mlx-lm's ``merge`` of one layer's rows (a CacheList's, member by
+    member). An ArraysCache slot that no row holds (a model that leaves one
+    unused) stays None: mlx-lm's own merge stops at it (StopIteration), or,
+    when it is slot 0, takes every row for empty and drops the others; so
+    the slots some row holds are merged alone."""
     cls, ref = type(layers[0]), layers[0]
-    if not isinstance(ref, ArraysCache) or isinstance(ref, SSMCache) or all(x.empty() for x in layers):
+    if isinstance(ref, CacheList):
+        out = cls()
+        out.caches = tuple(_merge([x.caches[i] for x in layers]) for i in range(len(ref.caches)))
+        return out
+    if not isinstance(ref, ArraysCache) or isinstance(ref, SSMCache):
         return cls.merge(layers)
     held = [e for e in range(len(ref.cache)) if any(x.cache[e] is not None for x in layers)]
-    if len(held) == len(ref.cache):
+    if not held or len(held) == len(ref.cache):
         return cls.merge(layers)
     parts = []
     for x in layers:

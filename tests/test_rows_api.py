@@ -141,6 +141,15 @@ def test_rows_with_a_slot_none_of_them_holds_merge(store):
     assert got[0].cache[1] is None and bits_equal(got[0].cache[0], rows[1][0][0])
     joined = merge_rows(batch, [rows[0]])  # a row joins a running batch the same way
     assert joined[0].cache[1] is None and bits_equal(joined[0].cache[0][3:], rows[0][0][0])
+    firsts = []  # slot 0 unused: mlx-lm's merge took every row for empty and dropped slot 1
+    for i in range(3):
+        later = ArraysCache(2)
+        later[1] = mx.full((1, 2, 4), float(i + 1))
+        firsts.append([later, _kv(4, i)])
+    batch = merge_rows(None, firsts)
+    assert batch[0].cache[0] is None and bits_equal(extract_row(batch, 1)[0].cache[1], firsts[1][0][1])
+    listed = merge_rows(None, [[CacheList(r[0], r[1])] for r in rows])  # the same inside a CacheList
+    assert listed[0].caches[0].cache[1] is None and bits_equal(listed[0].caches[0].cache[0][2:], rows[2][0][0])
 
 
 # -- BatchGenerator.extract_cache results store directly ------------------------------------
