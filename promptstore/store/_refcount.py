@@ -9,7 +9,7 @@ manifests make, for ``verify --fix`` and for whatever removed such an entry
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from promptstore.errors import PromptStoreError
 from promptstore.format import _entry
@@ -17,10 +17,11 @@ from promptstore.store import _budget, _keys, _packing
 from promptstore.store._schema import PACKS, PLACES, Tables
 
 
-def references(txn, db: Tables) -> Tuple[Dict[bytes, int], bool]:
+def references(txn, db: Tables, sizes: Optional[Dict[bytes, int]] = None) -> Tuple[Dict[bytes, int], bool]:
     """References to each block from every readable manifest, and whether
     some manifest could not be read (then nothing may be freed: it may
-    reference blocks too)."""
+    reference blocks too). ``sizes``, if given, gets each referenced block's
+    bytes as the manifests give them (one pass over the manifests)."""
     want: Dict[bytes, int] = {}
     unreadable = False
     for k, raw in txn.cursor(db=db.entries):
@@ -29,8 +30,10 @@ def references(txn, db: Tables) -> Tuple[Dict[bytes, int], bool]:
         except PromptStoreError:
             unreadable = True
             continue
-        for key, _ in man.blocks():
+        for key, size in man.blocks():
             want[key] = want.get(key, 0) + 1
+            if sizes is not None:
+                sizes[key] = size
     return want, unreadable
 
 
@@ -50,9 +53,9 @@ def recount_blocks(txn, db: Tables, free_block: Callable[[Any, bytes, int], None
     stored keeps its count at zero: its entries read as damaged. Packs none
     of whose blocks is referenced any more are dropped
     (``unlink_pack_later(number)``)."""
-    want, unreadable = references(txn, db)
+    sizes: Dict[bytes, int] = {}
+    want, unreadable = references(txn, db, sizes)
     have = stored(txn, db)
-    sizes = dict(_sizes(txn, db))
     for key in [bytes(k) for k in txn.cursor(db=db.refs).iternext(keys=True, values=False)]:
         if key not in want and not unreadable:
             txn.delete(key, db=db.refs)
@@ -72,15 +75,6 @@ def recount_blocks(txn, db: Tables, free_block: Callable[[Any, bytes, int], None
             if key not in want:
                 free_block(txn, key, 0)
     _recount_packs(txn, db, unlink_pack_later)
-
-
-def _sizes(txn, db: Tables) -> Iterator[Tuple[bytes, int]]:
-    """``(address, bytes)`` of every block the readable manifests reference."""
-    for k, raw in txn.cursor(db=db.entries):
-        try:
-            yield from _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k))).blocks()
-        except PromptStoreError:
-            continue
 
 
 def _recount_packs(txn, db: Tables, unlink_pack_later: Callable[[int], None]) -> None:
