@@ -64,6 +64,17 @@ def model_filter(model: Optional[str]) -> Callable:
     return lambda info: info.model_name == model or info.model == model
 
 
+def unmatched_model(model: Optional[str], everything: List, matched: List) -> Optional[str]:
+    """A hint for a ``--model`` that matches none of the store's entries
+    (a mistyped name would otherwise list or remove nothing, silently): the
+    model names the store does hold. None when it matched, or the store is empty."""
+    if model is None or matched or not everything:
+        return None
+    names = sorted({i.model_name for i in everything})
+    return (f"no entry is of model {model!r}; the store holds entries of {', '.join(names)} "
+            "(give one of these names, or a model directory)")
+
+
 def model_help(verb: str) -> str:
     return f"{verb} only entries of this model (a model directory, or the name `ls` shows)."
 

@@ -9,7 +9,7 @@ import click
 
 from promptstore import EntryInfo
 from promptstore.cli._common import command, emit_json, format_size, guarded, info_json, json_option, plural, store_option
-from promptstore.cli._select import key_length, model_filter, model_help
+from promptstore.cli._select import key_length, model_filter, model_help, unmatched_model
 from promptstore.remote import Remote
 from promptstore.store._keys import entry_id
 from promptstore.store._results import utc
@@ -134,6 +134,9 @@ def ls(obj, model, sort, limit, from_remote, as_json):
     keep = model_filter(model)
     infos = sorted((i for i in everything if keep(i)), key=SORTS[sort], reverse=True)
     shown = infos[:limit] if limit else infos
+    hint = unmatched_model(model, everything, infos)
+    if hint is not None:
+        click.echo(hint, err=True)
     if from_remote:
         own = {i.id: i.own for i in shown}
     else:

@@ -9,7 +9,7 @@ import click
 
 from promptstore.errors import CorruptEntry
 from promptstore.cli._common import command, emit_json, fail, format_size, guarded, info_json, json_option, plural, store_option
-from promptstore.cli._select import key_length, model_filter, model_help, parse_duration
+from promptstore.cli._select import key_length, model_filter, model_help, parse_duration, unmatched_model
 from promptstore.cli.ls import entry_rows, render_table
 
 
@@ -59,6 +59,9 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
                 plan.append(info)
     else:
         keep = model_filter(model)
+        hint = unmatched_model(model, everything, [i for i in everything if keep(i)])
+        if hint is not None:
+            click.echo(hint, err=True)
         plan = [i for i in everything if keep(i) and (cutoff is None or i.last_used < cutoff)]
     total = sum(i.nbytes for i in plan)
     # What removing them together frees: their own bytes and manifests, and

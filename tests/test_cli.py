@@ -113,6 +113,13 @@ def test_ls_keys_sort_limit_and_model_filter(cli):
     for cmd in (("ls",), ("rm", "--dry-run")):
         err = js(cli(*cmd, "--json", "--model", "./no-such-dir/llama", code=1))
         assert err["error"] == "InvalidInput" and "no such folder" in err["message"]
+    # A mistyped model name listed nothing and said nothing of why: stderr names the models held.
+    typo = cli("ls", "--model", "lama")
+    assert typo.stdout.strip() == "0 entries, 0 B"
+    assert "no entry is of model 'lama'" in typo.stderr and "llama, qwen3_next" in typo.stderr
+    removal = cli("rm", "--model", "lama", "--yes", "--json")
+    assert js(removal)["removed"] == [] and "no entry is of model 'lama'" in removal.stderr
+    assert cli("ls", "--model", "llama").stderr == ""
     table = cli("ls", "--limit", "2").stdout.splitlines()
     assert table[0].split() == ["KEY", "MODEL", "KINDS", "TOKENS", "SIZE", "OWN", "SHARED", "LAST", "USED"]
     for r in rows:
