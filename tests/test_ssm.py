@@ -11,6 +11,7 @@ import gc
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
@@ -157,8 +158,10 @@ def test_rollback_folds_to_fresh_forward_serial(arch):
 
 @pytest.mark.shape_dependent
 @pytest.mark.parametrize("arch", HYBRIDS)
-@pytest.mark.parametrize("keeps", [[2, 0, 5], [4, 1, 3]])
+@pytest.mark.parametrize("keeps", [[2, 0, 5], [4, 1, 3], np.array([3, 5, 0])])
 def test_rollback_folds_per_row_keeps_in_a_batch_of_3(arch, keeps):
+    # numpy keeps and row numbers (what a caller holding numpy acceptances passes) were refused
+    as_np = isinstance(keeps, np.ndarray)
     model, _ = fixture(arch, True)
     prompts = [PROMPT[:4], PROMPT[4:8], [8, 9, 10, 11]]
     windows = [WINDOW, [41, 42, 43, 44, 45], [51, 52, 53, 54, 55]]
@@ -170,9 +173,12 @@ def test_rollback_folds_per_row_keeps_in_a_batch_of_3(arch, keeps):
     for c in ssm(batch):
         c.rollback(keeps)
         assert c.offsets == [4 + k for k in keeps] and c.has_pending
+        assert all(type(o) is int for o in c.offsets)
     for i, (p, w, k) in enumerate(zip(prompts, windows, keeps)):
         fresh = prefilled(model, p, w[:k])
+        i = np.int64(i) if as_np else i
         rows = [c.extract(i) if isinstance(c, SSMCache) else None for c in batch]
+        assert all(r.offsets == [4 + int(k)] and type(r.offset) is int for r in rows if r is not None)
         assert same_ssm([r for r in rows if r is not None], ssm(fresh))
 
 

@@ -88,9 +88,9 @@ class SSMCache(Rounds):
         Raises:
             InvalidInput: no row ``i``.
         """
-        if not isinstance(i, int) or not -len(self._offsets) <= i < len(self._offsets):
+        if not is_int(i) or not -len(self._offsets) <= i < len(self._offsets):
             raise InvalidInput(f"row {i!r} out of range for a batch of {len(self._offsets)}")
-        return self._offsets[i]
+        return self._offsets[int(i)]
 
     def bytes_per_token(self) -> int:
         """0: the recurrent state does not grow with the sequence."""
@@ -184,7 +184,7 @@ class SSMCache(Rounds):
         self._left_padding = as_list(left_padding)
         self._lengths = as_list(lengths)
         if offsets is not None:
-            self._offsets = offsets
+            self._offsets = [int(o) for o in offsets]
 
     @classmethod
     def from_parts(
@@ -216,7 +216,7 @@ class SSMCache(Rounds):
                 )
         cache = cls()
         cache._slots = [conv, state]
-        cache._offsets = offsets
+        cache._offsets = [int(o) for o in offsets]
         cache._left_padding = as_list(left_padding)
         cache._lengths = as_list(lengths)
         return cache
@@ -355,7 +355,7 @@ class SSMCache(Rounds):
         self._check_no_round("extract")
         self._fold()
         offset = self.row_offset(idx)
-        rows = mx.array([idx % self.batch_size], dtype=mx.int32)
+        rows = mx.array([int(idx) % self.batch_size], dtype=mx.int32)
         cache = SSMCache()
         cache._slots = [None if s is None else mx.take(s, rows, axis=0) for s in self._slots]
         # Evaluated here: an unevaluated take would keep the whole batch alive.

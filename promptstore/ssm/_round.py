@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, TypeGuard, Union, cast
 
 import mlx.core as mx
+import numpy as np
 
 from promptstore.ssm import _recur as _recur
 from promptstore.errors import InvalidInput, RoundError
@@ -129,7 +130,7 @@ class Rounds:
 
     def _keeps(self, keep: Keep, S: int) -> List[int]:
         B = self.batch_size
-        if isinstance(keep, mx.array):
+        if isinstance(keep, (mx.array, np.ndarray)):
             keep = keep.tolist()
         keeps = [keep] * B if is_int(keep) else keep
         if not isinstance(keeps, (list, tuple)) or len(keeps) != B:
@@ -171,7 +172,8 @@ class Rounds:
 
 
 def is_int(x: object) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer: Python's or numpy's (``numbers.Integral``), not a bool; store ``int(x)``."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def as_list(value) -> Optional[List[int]]:
