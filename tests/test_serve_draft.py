@@ -144,6 +144,59 @@ def test_draft_requests_checkpoint_the_system_prompt_as_requests_without_a_draft
     assert cli_json(store, "verify")["ok"]
 
 
+@pytest.mark.parametrize("alone", ["seed", "kv-bits"])
+def test_requests_served_alone_without_a_draft_checkpoint_the_system_prompt(tmp_path, alone):
+    """A request with a ``seed``, or any under ``--kv-bits``, is served alone
+    (mlx-lm's ``_serve_single``, its own prefill). On a hybrid it now stores
+    the system prompt's checkpoint as the batched server does: the answers
+    and cached tokens are those of the batched server, the checkpoint holds,
+    bit for bit, what prefilling the system prompt leaves, and after a
+    restart a new user message starts from it (from the store). It used to
+    store none: every new user message was prefilled from token 0. Under
+    ``--kv-bits``, a prompt that reaches ``--quantized-kv-start`` is not
+    paused (that would move the quantization): no system checkpoint then."""
+    model = "qwen3_next"
+    log, store = tmp_path / "server.log", tmp_path / "store"
+    later = "Say hello."
+    args, extra = (("--kv-bits", "8"), {}) if alone == "kv-bits" else ((), {"seed": 7})
+
+    with Server(tmp_path / "plain", model, log) as plain:
+        want = [plain.chat(_chat(p), max_tokens=12) for p in PROMPTS]
+        want_later = plain.chat(_chat(later), max_tokens=12)
+    plain.stop()
+    n_system = next(d["tokens"] for d in cli_json(tmp_path / "plain", "ls") if d["meta"]["cache_type"] == "system")
+    assert [cached(r) for r in want] == [0, n_system, n_system]
+
+    with Server(store, model, log, *args) as srv:
+        got = [srv.chat(_chat(p), max_tokens=12, **extra) for p in PROMPTS]
+        assert [text(r) for r in got] == [text(r) for r in want]
+        assert [cached(r) for r in got] == [0, n_system, n_system]
+    counters = srv.stop()["cache"]
+    assert counters["errors"] == 0 and counters["write_failed"] == 0
+
+    target, tokenizer, fp, _ = load_fixture(model)
+    systems = [d for d in cli_json(store, "ls") if d["meta"]["cache_type"] == "system"]
+    assert [(d["model"], d["tokens"]) for d in systems] == [(fp, n_system)]
+    head = list(tokenizer.apply_chat_template(_chat(PROMPTS[0]), add_generation_prompt=True))[:n_system]
+    with PromptStore(store) as ps:
+        layers = ps.get(fp, head)
+    assert layers is not None, "no entry of the system prompt"
+    assert_greedy(target, target, layers, head, n_system + 1)  # one forward of the system prompt
+
+    with Server(store, model, log, *args) as srv:
+        again = srv.chat(_chat(later), max_tokens=12, **extra)  # memory is empty: the checkpoint comes from the store
+        assert cached(again) == cached(want_later) == n_system
+        assert text(again) == text(want_later)
+    assert srv.stop()["cache"]["store_hits"] == 1
+    assert cli_json(store, "verify")["ok"]
+    if alone == "kv-bits":
+        early = tmp_path / "early"
+        with Server(early, model, log, *args, "--quantized-kv-start", str(n_system // 2)) as srv:
+            assert cached(srv.chat(_chat(PROMPTS[0]), max_tokens=12)) == 0
+        srv.stop()
+        assert [d["meta"]["cache_type"] for d in cli_json(early, "ls")].count("system") == 0
+
+
 def test_draft_server_refuses_what_it_cannot_run_and_keeps_serving(tmp_path):
     """Each refusal reaches the client as an error status with its reason,
     streaming or not. It used to be raised inside the generator, after the

@@ -197,9 +197,8 @@ class _Fetches:
     """The PersistentPromptCache as the server sees it, remembering on each
     thread the model key, prompt and cached prefix of its last
     ``fetch_nearest_cache``, and where that prompt's system prompt ends, so
-    that a request served alone can checkpoint its prompt, and a speculative
-    one its system prompt too (mlx-lm's ``_serve_single`` caches only prompt
-    + answer)."""
+    that a request served alone can checkpoint its prompt and its system
+    prompt (mlx-lm's ``_serve_single`` caches only prompt + answer)."""
 
     def __init__(self, cache: PersistentPromptCache):
         self._cache = cache
@@ -295,7 +294,7 @@ def _generator_class(mlx_server):
             if request.request_type == "chat" and vision is None and not self._always_trimmable():
                 segments, types = split_at_messages_end(tokenizer, request.messages, prompt, segments, types)
                 if types[0] == "system" and isinstance(self.prompt_cache, _Fetches):
-                    # for _serve_single, which drops the segments (a speculative request checkpoints it)
+                    # for _serve_single, which drops the segments (its request checkpoints it)
                     self.prompt_cache.note_system(prompt, len(segments[0]))
             return prompt, segments, types, state, vision
 

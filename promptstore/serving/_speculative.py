@@ -24,9 +24,10 @@ it.
 
 Checkpoints: mlx-lm's ``_serve_single`` inserts only the prompt + answer. The
 serving cache also gets the list once it covers the prompt but its last
-token and, with a draft, at the end of the system prompt: both models'
+token and at the end of the system prompt: with a draft, both models'
 prefill pauses there (``prefill_breaks``), so the list then covers exactly
-the system prompt, in the target's layers and the draft's. On a model whose
+the system prompt, in the target's layers and the draft's; without one, the
+system prompt is prefilled before mlx-lm's ``stream_generate`` runs the rest. On a model whose
 cache cannot be trimmed (hybrid, sliding window), whose entries match only
 at their exact length, that checkpoint is what the next request with the
 same system prompt and another conversation starts from, as it is for the
@@ -124,19 +125,18 @@ def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
             whose prompt + answer entry cannot be trimmed back, the only
             one), with a draft or without; with a draft, at each of
             ``breaks`` too.
-        breaks: the offsets into that prompt where a speculative request's
-            prefill pauses for ``checkpoint`` (e.g. the end of the system
-            prompt, the checkpoint mlx-lm's batched path writes there); none
-            by default. Requests without a draft run mlx-lm's own prefill,
-            which pauses only every ``prefill_step_size`` tokens: they
-            checkpoint the prompt but its last token alone.
+        breaks: the offsets into that prompt where the prefill pauses for
+            ``checkpoint`` (e.g. the end of the system prompt, the
+            checkpoint mlx-lm's batched path writes there); none by default.
+            Without a draft, the first is prefilled here, then mlx-lm's own
+            prefill takes the rest (:func:`_plain`).
     """
 
     def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
         if draft_model is None:
             if checkpoint is not None and kwargs.get("input_embeddings") is None and kwargs.get("prompt_cache") is not None:
-                kwargs["prompt_progress_callback"] = _checkpointing(kwargs.get("prompt_progress_callback"),
-                                                                    kwargs["prompt_cache"], checkpoint)
+                return _plain(mlx_stream_generate, model, tokenizer, prompt, max_tokens, checkpoint,
+                              () if breaks is None else breaks(), kwargs)
             return mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
         return _speculative(model, tokenizer, prompt, max_tokens, draft_model, counters, checkpoint,
                             () if breaks is None else breaks(), **kwargs)
@@ -144,18 +144,86 @@ def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
     return stream_generate
 
 
+def _plain(mlx_stream_generate: Any, model: Any, tokenizer: Any, prompt: Any, max_tokens: int,
+           checkpoint: Callable[[List[Any], int], None], breaks: Sequence[int],
+           kwargs: Dict[str, Any]) -> Generator[Any, None, None]:
+    """mlx-lm's ``stream_generate`` of a request without a draft, checkpointing
+    its cache once it covers the prompt but its last token and, before that,
+    at the first of ``breaks`` inside the prompt (the end of the system
+    prompt), up to which it is prefilled here first, step by step as
+    ``generate_step`` prefills (``prefill_step_size`` tokens a step, the
+    cache quantized after each under ``--kv-bits``, evaluated), on the
+    request's stream; mlx-lm's own prefill takes the rest. Without a break
+    inside the prompt, with logits processors (penalties see the tokens
+    ``generate_step`` prefilled itself), or under ``--kv-bits`` once the
+    prompt reaches ``quantized_kv_start`` (:func:`_unquantized`), mlx-lm's alone. The server's
+    progress callback is told the whole prompt's counts either way."""
+    cache = kwargs["prompt_cache"]
+    progress = kwargs.get("prompt_progress_callback")
+    tokens = prompt.tolist() if isinstance(prompt, mx.array) else prompt
+    cut = 0
+    if not isinstance(tokens, str) and not kwargs.get("logits_processors"):
+        tokens = list(tokens)
+        if _unquantized(cache, len(tokens) - 1, kwargs):
+            cut = next((b for b in breaks if 0 < b < len(tokens) - 1), 0)
+    if cut:
+        _prefill(model, tokens[:cut], cache, progress, len(tokens), kwargs)
+        checkpoint(cache, cut)
+        prompt = tokens[cut:]
+    kwargs["prompt_progress_callback"] = _checkpointing(progress, cache, checkpoint, cut)
+    yield from mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+
+
+def _unquantized(cache: List[Any], n: int, kwargs: Dict[str, Any]) -> bool:
+    """Whether prefilling ``n`` more tokens leaves every layer unquantized:
+    under ``--kv-bits`` a layer is quantized after the prefill step that takes
+    it to ``quantized_kv_start`` tokens, so a pause there would move that step,
+    and what the rest of the prompt attends to."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+    if kwargs.get("kv_bits") is None:
+        return True
+    start = kwargs.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)
+    return all(c.offset + n < start for c in cache if hasattr(c, "to_quantized"))
+
+
+def _prefill(model: Any, tokens: List[int], cache: List[Any], progress: Optional[Callable[[int, int], None]],
+             total: int, kwargs: Dict[str, Any]) -> None:
+    """Run ``tokens`` through ``model`` into ``cache`` as ``generate_step``'s
+    prefill loop does, reporting ``(done, total)`` after each step."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream, maybe_quantize_kv_cache
+
+    step = int(kwargs.get("prefill_step_size") or 2048)
+    quantize = {"quantized_kv_start": kwargs.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START),
+                "kv_group_size": kwargs.get("kv_group_size", 64), "kv_bits": kwargs.get("kv_bits")}
+    with mx.stream(kwargs.get("stream") or generation_stream):
+        done = 0
+        while done < len(tokens):
+            n = min(step, len(tokens) - done)
+            model(mx.array(tokens[done:done + n])[None], cache=cache)
+            if quantize.get("kv_bits") is not None:
+                maybe_quantize_kv_cache(cache, **quantize)
+            mx.eval([c.state for c in cache])
+            done += n
+            if progress is not None:
+                progress(done, total)
+            mx.clear_cache()
+
+
 def _checkpointing(progress: Optional[Callable[[int, int], None]], cache: List[Any],
-                   checkpoint: Callable[[List[Any], int], None]) -> Callable[[int, int], None]:
+                   checkpoint: Callable[[List[Any], int], None], before: int = 0) -> Callable[[int, int], None]:
     """mlx-lm's prompt progress callback that also checkpoints ``cache`` when
     it reports all but the prompt's last token done: ``generate_step`` calls
     it after each prefill step, once the step's cache is evaluated (and
-    quantized under ``--kv-bits``), before the last token is fed."""
+    quantized under ``--kv-bits``), before the last token is fed. ``before``:
+    the prompt's tokens prefilled before ``generate_step`` got the rest,
+    added to what it reports."""
 
     def report(done: int, total: int) -> None:
         if 0 < done == total - 1:
-            checkpoint(cache, done)
+            checkpoint(cache, before + done)
         if progress is not None:
-            progress(done, total)
+            progress(before + done, before + total)
 
     return report
 
