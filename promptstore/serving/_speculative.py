@@ -63,7 +63,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, cast
 
 import mlx.core as mx
 
@@ -160,10 +160,11 @@ def _plain(mlx_stream_generate: Any, model: Any, tokenizer: Any, prompt: Any, ma
     progress callback is told the whole prompt's counts either way."""
     cache = kwargs["prompt_cache"]
     progress = kwargs.get("prompt_progress_callback")
-    tokens = prompt.tolist() if isinstance(prompt, mx.array) else prompt
+    tokens: List[int] = []
     cut = 0
-    if not isinstance(tokens, str) and not kwargs.get("logits_processors"):
-        tokens = list(tokens)
+    if not isinstance(prompt, str) and not kwargs.get("logits_processors"):
+        given = cast(List[Any], prompt.tolist()) if isinstance(prompt, mx.array) else prompt
+        tokens = [int(t) for t in given]
         if _unquantized(cache, len(tokens) - 1, kwargs):
             cut = next((b for b in breaks if 0 < b < len(tokens) - 1), 0)
     if cut:
