@@ -68,11 +68,14 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
     assert counters["acceptance"] == counters["accepted_draft_tokens"] / counters["draft_tokens"]
     assert counters["pending"] == 0 and counters["errors"] == 0 and counters["write_failed"] == 0
 
-    # per request: the prompt checkpoint and prompt + answer, target and draft layers, as ssm.gated_delta;
-    # and the system prompt's checkpoint, which the requests share
+    # per request: the end of the messages, the prompt checkpoint and prompt + answer, target and
+    # draft layers, as ssm.gated_delta; and the system prompt's checkpoint, which the requests share:
+    # what the server without a draft (batched) stores
     docs = cli_json(store, "ls")
     fp = fingerprint(MODELS / model)
-    assert len(docs) == 2 * len(PROMPTS) + 1 and {d["model"] for d in docs} == {f"{fp}+draft:{fp}"}
+    assert len(docs) == 3 * len(PROMPTS) + 1 and {d["model"] for d in docs} == {f"{fp}+draft:{fp}"}
+    kept = sorted((d["tokens"], d["meta"]["cache_type"]) for d in docs)
+    assert kept == sorted((d["tokens"], d["meta"]["cache_type"]) for d in cli_json(tmp_path / "plain", "ls"))
     assert sorted(d["meta"]["cache_type"] for d in docs).count("system") == 1
     for d in docs:
         assert "arrays" not in d["kinds"] and d["kinds"].count("ssm.gated_delta") == len(d["kinds"]) // 2
@@ -145,11 +148,12 @@ def test_draft_requests_checkpoint_the_system_prompt_as_requests_without_a_draft
 
 
 @pytest.mark.parametrize("alone", ["seed", "kv-bits"])
-def test_requests_served_alone_without_a_draft_checkpoint_the_system_prompt(tmp_path, alone):
+def test_requests_served_alone_without_a_draft_checkpoint_as_batched_ones(tmp_path, alone):
     """A request with a ``seed``, or any under ``--kv-bits``, is served alone
     (mlx-lm's ``_serve_single``, its own prefill). On a hybrid it now stores
-    the system prompt's checkpoint as the batched server does: the answers
-    and cached tokens are those of the batched server, the checkpoint holds,
+    the checkpoints the batched server stores (the end of the system prompt,
+    of the messages): the answers and cached tokens are those of the batched
+    server, the system prompt's checkpoint holds,
     bit for bit, what prefilling the system prompt leaves, and after a
     restart a new user message starts from it (from the store). It used to
     store none: every new user message was prefilled from token 0. Under
@@ -160,12 +164,16 @@ def test_requests_served_alone_without_a_draft_checkpoint_the_system_prompt(tmp_
     later = "Say hello."
     args, extra = (("--kv-bits", "8"), {}) if alone == "kv-bits" else ((), {"seed": 7})
 
+    kept = lambda path: sorted((d["tokens"], d["meta"]["cache_type"]) for d in cli_json(path, "ls"))  # noqa: E731
     with Server(tmp_path / "plain", model, log) as plain:
         want = [plain.chat(_chat(p), max_tokens=12) for p in PROMPTS]
+    plain.stop()
+    batched = kept(tmp_path / "plain")  # the checkpoints mlx-lm's batched path takes
+    n_system = next(n for n, kind in batched if kind == "system")
+    assert [cached(r) for r in want] == [0, n_system, n_system]
+    with Server(tmp_path / "plain", model, log) as plain:
         want_later = plain.chat(_chat(later), max_tokens=12)
     plain.stop()
-    n_system = next(d["tokens"] for d in cli_json(tmp_path / "plain", "ls") if d["meta"]["cache_type"] == "system")
-    assert [cached(r) for r in want] == [0, n_system, n_system]
 
     with Server(store, model, log, *args) as srv:
         got = [srv.chat(_chat(p), max_tokens=12, **extra) for p in PROMPTS]
@@ -177,6 +185,7 @@ def test_requests_served_alone_without_a_draft_checkpoint_the_system_prompt(tmp_
     target, tokenizer, fp, _ = load_fixture(model)
     systems = [d for d in cli_json(store, "ls") if d["meta"]["cache_type"] == "system"]
     assert [(d["model"], d["tokens"]) for d in systems] == [(fp, n_system)]
+    assert kept(store) == batched  # the end of the messages too (`get --messages` of the chat finds it)
     head = list(tokenizer.apply_chat_template(_chat(PROMPTS[0]), add_generation_prompt=True))[:n_system]
     with PromptStore(store) as ps:
         layers = ps.get(fp, head)
@@ -347,8 +356,10 @@ def test_a_stop_string_mid_round_is_answered_as_without_a_draft_and_cached(tmp_p
     assert counters["errors"] == 0 and counters["write_failed"] == 0
     taken = prompt + answer[: at + 1]  # what mlx-lm's server inserts: the prompt and every token it took
     docs = sorted((d["tokens"], d["meta"]["cache_type"]) for d in cli_json(store, "ls"))
-    assert [n for n, _ in docs[1:]] == [len(prompt) - 1, len(taken)]
+    assert [n for n, _ in docs[2:]] == [len(prompt) - 1, len(taken)]
     assert docs[0][1] == "system" and 0 < docs[0][0] < len(prompt) - 1  # and the system prompt's checkpoint
+    ended = len(tokenizer.apply_chat_template(_chat(PROMPTS[0]), add_generation_prompt=False))
+    assert docs[1] == (ended, "user")  # and the messages' (what `get --messages` of the chat asks for)
     with PromptStore(store) as ps:
         layers = ps.get(f"{fp}+draft:{fp}", taken)
     assert layers is not None, "no entry of prompt + the tokens taken"

@@ -197,8 +197,9 @@ class _Fetches:
     """The PersistentPromptCache as the server sees it, remembering on each
     thread the model key, prompt and cached prefix of its last
     ``fetch_nearest_cache``, and where that prompt's system prompt ends, so
-    that a request served alone can checkpoint its prompt and its system
-    prompt (mlx-lm's ``_serve_single`` caches only prompt + answer)."""
+    that a request served alone can checkpoint its prompt and where its
+    segments end, as a batched one is (mlx-lm's ``_serve_single`` caches
+    only prompt + answer)."""
 
     def __init__(self, cache: PersistentPromptCache):
         self._cache = cache
@@ -210,34 +211,41 @@ class _Fetches:
     def __len__(self) -> int:
         return len(self._cache)
 
-    def note_system(self, prompt: List[int], end: int) -> None:
-        """The system prompt of ``prompt`` (about to be fetched) ends at ``end``."""
-        self._last.system = (list(prompt), end)
+    def note_segments(self, prompt: List[int], segments: List[List[int]], types: List[str]) -> None:
+        """``prompt`` (about to be fetched) splits into ``segments`` of
+        ``types``, as mlx-lm's batched path checkpoints it: at the end of each
+        but the last."""
+        ends, n = {}, 0
+        for seg, kind in zip(segments[:-1], types):
+            n += len(seg)
+            ends[n] = kind
+        self._last.segments = (list(prompt), ends)
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         toks = list(tokens)
         cache, rest = self._cache.fetch_nearest_cache(model, toks)
-        noted = getattr(self._last, "system", None)
-        self._last.system = None
-        self._last.query = (model, toks, len(toks) - len(rest), noted[1] if noted is not None and noted[0] == toks else 0)
+        noted = getattr(self._last, "segments", None)
+        self._last.segments = None
+        self._last.query = (model, toks, len(toks) - len(rest), noted[1] if noted is not None and noted[0] == toks else {})
         return cache, rest
 
     def breaks(self) -> List[int]:
-        """Where, in what the last fetch left to process, its system prompt ends (if it does)."""
+        """Where, in what the last fetch left to process, its segments end."""
         query = getattr(self._last, "query", None)
-        return [query[3] - query[2]] if query is not None and query[2] < query[3] else []
+        return [] if query is None else sorted(n - query[2] for n in query[3] if n > query[2])
 
     def checkpoint(self, layers: List[Any], done: int) -> None:
         """Insert ``layers``, covering ``done`` tokens past the last fetch's
-        cached prefix, as its ``system`` checkpoint when they end there,
-        otherwise its ``user`` one; refused, logged, if they cover other."""
+        cached prefix, as its ``system`` checkpoint when the system prompt
+        ends there, otherwise its ``user`` one; refused, logged, if they
+        cover other."""
         query = getattr(self._last, "query", None)
         if query is None:
             return
-        model, toks, cached, system = query
+        model, toks, cached, ends = query
         n = cached + done
         if 0 < n < len(toks):
-            self._cache.insert_cache(model, toks[:n], layers, cache_type="system" if n == system else "user")
+            self._cache.insert_cache(model, toks[:n], layers, cache_type="system" if ends.get(n) == "system" else "user")
 
 
 def _gated_layers(model_provider) -> Callable[[Any], Union[None, bool, Sequence[bool]]]:
@@ -293,9 +301,8 @@ def _generator_class(mlx_server):
                 raise ValueError("the prompt is empty: there is nothing to generate from")
             if request.request_type == "chat" and vision is None and not self._always_trimmable():
                 segments, types = split_at_messages_end(tokenizer, request.messages, prompt, segments, types)
-                if types[0] == "system" and isinstance(self.prompt_cache, _Fetches):
-                    # for _serve_single, which drops the segments (its request checkpoints it)
-                    self.prompt_cache.note_system(prompt, len(segments[0]))
+                if isinstance(self.prompt_cache, _Fetches):  # for _serve_single, which drops them
+                    self.prompt_cache.note_segments(prompt, segments, types)
             return prompt, segments, types, state, vision
 
         def _always_trimmable(self) -> bool:

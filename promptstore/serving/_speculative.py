@@ -149,8 +149,8 @@ def _plain(mlx_stream_generate: Any, model: Any, tokenizer: Any, prompt: Any, ma
            kwargs: Dict[str, Any]) -> Generator[Any, None, None]:
     """mlx-lm's ``stream_generate`` of a request without a draft, checkpointing
     its cache once it covers the prompt but its last token and, before that,
-    at the first of ``breaks`` inside the prompt (the end of the system
-    prompt), up to which it is prefilled here first, step by step as
+    at each of ``breaks`` inside the prompt (where its segments end: the
+    system prompt, the messages), up to which it is prefilled here first, step by step as
     ``generate_step`` prefills (``prefill_step_size`` tokens a step, the
     cache quantized after each under ``--kv-bits``, evaluated), on the
     request's stream; mlx-lm's own prefill takes the rest. Without a break
@@ -166,10 +166,11 @@ def _plain(mlx_stream_generate: Any, model: Any, tokenizer: Any, prompt: Any, ma
         given = cast(List[Any], prompt.tolist()) if isinstance(prompt, mx.array) else prompt
         tokens = [int(t) for t in given]
         if _unquantized(cache, len(tokens) - 1, kwargs):
-            cut = next((b for b in breaks if 0 < b < len(tokens) - 1), 0)
+            for b in sorted({b for b in breaks if 0 < b < len(tokens) - 1}):
+                _prefill(model, tokens[cut:b], cache, progress, cut, len(tokens), kwargs)
+                checkpoint(cache, b)
+                cut = b
     if cut:
-        _prefill(model, tokens[:cut], cache, progress, len(tokens), kwargs)
-        checkpoint(cache, cut)
         prompt = tokens[cut:]
     kwargs["prompt_progress_callback"] = _checkpointing(progress, cache, checkpoint, cut)
     yield from mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
@@ -189,9 +190,9 @@ def _unquantized(cache: List[Any], n: int, kwargs: Dict[str, Any]) -> bool:
 
 
 def _prefill(model: Any, tokens: List[int], cache: List[Any], progress: Optional[Callable[[int, int], None]],
-             total: int, kwargs: Dict[str, Any]) -> None:
+             before: int, total: int, kwargs: Dict[str, Any]) -> None:
     """Run ``tokens`` through ``model`` into ``cache`` as ``generate_step``'s
-    prefill loop does, reporting ``(done, total)`` after each step."""
+    prefill loop does, reporting ``(before + done, total)`` after each step."""
     from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream, maybe_quantize_kv_cache
 
     step = int(kwargs.get("prefill_step_size") or 2048)
@@ -207,7 +208,7 @@ def _prefill(model: Any, tokens: List[int], cache: List[Any], progress: Optional
             mx.eval([c.state for c in cache])
             done += n
             if progress is not None:
-                progress(done, total)
+                progress(before + done, total)
             mx.clear_cache()
 
 
