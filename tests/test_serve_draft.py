@@ -158,7 +158,10 @@ def test_requests_served_alone_without_a_draft_checkpoint_as_batched_ones(tmp_pa
     restart a new user message starts from it (from the store). It used to
     store none: every new user message was prefilled from token 0. Under
     ``--kv-bits``, a prompt that reaches ``--quantized-kv-start`` is not
-    paused (that would move the quantization): no system checkpoint then."""
+    paused (that would move the quantization): no system checkpoint then,
+    and the prompt but its last token is checkpointed quantized (a request
+    served alone cached only prompt + answer once: the same request sent
+    again found at most the system prompt, a serving reviewer's finding)."""
     model = "qwen3_next"
     log, store = tmp_path / "server.log", tmp_path / "store"
     later = "Say hello."
@@ -200,10 +203,15 @@ def test_requests_served_alone_without_a_draft_checkpoint_as_batched_ones(tmp_pa
     assert cli_json(store, "verify")["ok"]
     if alone == "kv-bits":
         early = tmp_path / "early"
-        with Server(early, model, log, *args, "--quantized-kv-start", str(n_system // 2)) as srv:
-            assert cached(srv.chat(_chat(PROMPTS[0]), max_tokens=12)) == 0
+        with Server(early, model, log, *args, "--kv-group-size", "32", "--quantized-kv-start", str(n_system // 2)) as srv:
+            first = srv.chat(_chat(PROMPTS[0]), max_tokens=12)
+            second = srv.chat(_chat(PROMPTS[0]), max_tokens=12)  # the prompt but its last token, quantized
+            assert (cached(first), cached(second)) == (0, first["usage"]["prompt_tokens"] - 1)
+            assert text(second) == text(first)
         srv.stop()
-        assert [d["meta"]["cache_type"] for d in cli_json(early, "ls")].count("system") == 0
+        docs = cli_json(early, "ls")
+        assert [d["meta"]["cache_type"] for d in docs].count("system") == 0
+        assert all("kv.quantized" in d["kinds"] for d in docs)
 
 
 def test_draft_server_refuses_what_it_cannot_run_and_keeps_serving(tmp_path):

@@ -232,24 +232,3 @@ def test_an_empty_prompt_is_refused_and_the_server_keeps_serving(tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("extra, body", [((), {"seed": 1}), (("--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "10"), {})],
-                         ids=["seed", "kv-bits"])
-def test_a_request_served_alone_checkpoints_its_prompt(tmp_path, extra, body):
-    """mlx-lm serves a seeded request, and every request under --kv-bits, on
-    its own (``_serve_single``), which caches prompt + answer only: on a
-    hybrid model, whose entries cannot be trimmed back, the same request sent
-    again found at most the system prompt (a serving reviewer's finding).
-    The prompt but its last token is checkpointed there too now."""
-    store = tmp_path / "store"
-    srv = Server(store, "qwen3_next", tmp_path / "server.log", *extra)
-    try:
-        r1 = srv.chat(FIRST, **body)
-        r2 = srv.chat(FIRST, **body)
-        assert cached(r2) == r1["usage"]["prompt_tokens"] - 1, (cached(r1), cached(r2), r1["usage"])
-        assert text(r2) == text(r1)
-    except BaseException:
-        srv.kill()
-        raise
-    srv.stop()
-    docs = cli_json(store, "ls")
-    assert r1["usage"]["prompt_tokens"] - 1 in [d["tokens"] for d in docs], docs
