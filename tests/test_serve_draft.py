@@ -12,6 +12,7 @@ starts from it."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 import urllib.error
 from typing import List
@@ -28,6 +29,10 @@ from test_serving_server import Server, cached, cli_json, text
 from test_spec_stop import assert_greedy
 
 SYSTEM = "You are a terse assistant that answers in one line."
+# The second hybrid's server runs only under PROMPTSTORE_STRESS=1 (a server start and a dozen
+# requests each; in-process, tests/test_speculative.py runs both hybrids' verify rounds by default).
+HYBRID_SERVERS = ["qwen3_next", pytest.param("qwen3_5", marks=pytest.mark.skipif(
+    os.environ.get("PROMPTSTORE_STRESS") != "1", reason="the second hybrid's server: PROMPTSTORE_STRESS=1"))]
 PROMPTS = ["Name three colours of the rainbow, please.", "What is a prompt cache?", "Count to five."]
 
 
@@ -45,7 +50,7 @@ def _answers(srv: Server) -> List[dict]:
     return out
 
 
-@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("model", HYBRID_SERVERS)
 def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, model):
     log = tmp_path / "server.log"
     draft = ("--draft-model", str(MODELS / model), "--num-draft-tokens", "3")  # a self-draft
@@ -93,7 +98,7 @@ def test_draft_server_is_greedy_identical_and_restarts_from_the_store(tmp_path, 
     assert cli_json(store, "verify")["ok"]
 
 
-@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("model", HYBRID_SERVERS)
 def test_draft_requests_checkpoint_the_system_prompt_as_requests_without_a_draft_do(tmp_path, model):
     """On a hybrid, whose entries match only at their exact length, a draft
     request stores the system prompt's checkpoint where the server without a
