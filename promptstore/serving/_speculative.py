@@ -24,10 +24,11 @@ it.
 
 Checkpoints: mlx-lm's ``_serve_single`` inserts only the prompt + answer. The
 serving cache also gets the list once it covers the prompt but its last
-token and at the end of the system prompt: with a draft, both models'
-prefill pauses there (``prefill_breaks``), so the list then covers exactly
-the system prompt, in the target's layers and the draft's; without one, the
-system prompt is prefilled before mlx-lm's ``stream_generate`` runs the rest. On a model whose
+token and where a batched request's segments end (the system prompt, the
+messages): with a draft, both models' prefill pauses there
+(``prefill_breaks``), so the list then covers exactly the system prompt, in
+the target's layers and the draft's; without one, the prompt up to there is
+prefilled before mlx-lm's ``stream_generate`` runs the rest. On a model whose
 cache cannot be trimmed (hybrid, sliding window), whose entries match only
 at their exact length, that checkpoint is what the next request with the
 same system prompt and another conversation starts from, as it is for the
@@ -123,13 +124,12 @@ def make_stream_generate(mlx_stream_generate: Any, counters: DraftCounters,
             last token (what mlx-lm's batched path caches as the ``user``
             checkpoint, so a repeated prompt is a hit: on a hybrid model,
             whose prompt + answer entry cannot be trimmed back, the only
-            one), with a draft or without; with a draft, at each of
-            ``breaks`` too.
+            one), and at each of ``breaks`` before that.
         breaks: the offsets into that prompt where the prefill pauses for
             ``checkpoint`` (e.g. the end of the system prompt, the
             checkpoint mlx-lm's batched path writes there); none by default.
-            Without a draft, the first is prefilled here, then mlx-lm's own
-            prefill takes the rest (:func:`_plain`).
+            Without a draft, the prompt up to each is prefilled here, then
+            mlx-lm's own prefill takes the rest (:func:`_plain`).
     """
 
     def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
