@@ -23,6 +23,7 @@ from openai import OpenAI
 from mlx_lm.generate import generate_step
 
 from conftest import MODELS, greedy_cache, load_fixture
+from _bits import bits_equal
 from promptstore import PromptStore, fingerprint
 from promptstore.bench._draft import smaller_draft
 from test_serving_server import Server, cached, cli_json, text
@@ -34,10 +35,20 @@ SYSTEM = "You are a terse assistant that answers in one line."
 HYBRID_SERVERS = ["qwen3_next", pytest.param("qwen3_5", marks=pytest.mark.skipif(
     os.environ.get("PROMPTSTORE_STRESS") != "1", reason="the second hybrid's server: PROMPTSTORE_STRESS=1"))]
 PROMPTS = ["Name three colours of the rainbow, please.", "What is a prompt cache?", "Count to five."]
+COMPLETION = "Once upon a time, in a land of caches,"
 
 
 def _chat(user: str) -> list:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def _complete(srv: Server, prompt: str, **extra) -> dict:
+    """A greedy text completion (``/v1/completions``), as a dict of the response JSON."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
 
 
 def _answers(srv: Server) -> List[dict]:
@@ -175,8 +186,9 @@ def test_requests_served_alone_without_a_draft_checkpoint_as_batched_ones(tmp_pa
     kept = lambda path: sorted((d["tokens"], d["meta"]["cache_type"]) for d in cli_json(path, "ls"))  # noqa: E731
     with Server(tmp_path / "plain", model, log) as plain:
         want = [plain.chat(_chat(p), max_tokens=12) for p in PROMPTS]
+        want_text = _complete(plain, COMPLETION)
     plain.stop()
-    batched = kept(tmp_path / "plain")  # the checkpoints mlx-lm's batched path takes
+    batched = kept(tmp_path / "plain")  # the checkpoints mlx-lm's batched path takes, and their types
     n_system = next(n for n, kind in batched if kind == "system")
     assert [cached(r) for r in want] == [0, n_system, n_system]
     with Server(tmp_path / "plain", model, log) as plain:
@@ -186,6 +198,9 @@ def test_requests_served_alone_without_a_draft_checkpoint_as_batched_ones(tmp_pa
     with Server(store, model, log, *args) as srv:
         got = [srv.chat(_chat(p), max_tokens=12, **extra) for p in PROMPTS]
         assert [text(r) for r in got] == [text(r) for r in want]
+        # a text completion's prompt but its last token is typed `assistant` as the batched path types it
+        # (it was `user`, which the checkpoint history keeps where it prunes an `assistant` one)
+        assert _complete(srv, COMPLETION, **extra)["choices"][0]["text"] == want_text["choices"][0]["text"]
         assert [cached(r) for r in got] == [0, n_system, n_system]
     counters = srv.stop()["cache"]
     assert counters["errors"] == 0 and counters["write_failed"] == 0
@@ -379,3 +394,31 @@ def test_a_stop_string_mid_round_is_answered_as_without_a_draft_and_cached(tmp_p
     n = len(target.layers)
     assert_greedy(target, target, layers[:n], taken, len(prompt))
     assert_greedy(target, target, layers[n:], taken, len(prompt))
+
+
+def test_a_paused_prefill_generates_as_mlx_lm_and_reports_progress_once_per_step():
+    """In-process, mlx-lm's own stream_generate against the one the server
+    gets (``make_stream_generate``) pausing at two breaks: the same tokens and
+    logprobs, bit for bit; checkpoints at both breaks and at the prompt but
+    its last token; progress rising once per step to the whole prompt (the
+    pause reported its step twice once)."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from promptstore.serving._speculative import DraftCounters, make_stream_generate
+
+    model, tokenizer, _, _ = load_fixture("qwen3_next")
+    prompt = list(tokenizer.apply_chat_template(_chat(PROMPTS[0]), add_generation_prompt=True))
+    stored: List[int] = []
+    seen: List[tuple] = []
+    paused = make_stream_generate(stream_generate, DraftCounters(), lambda cache, n: stored.append(n), lambda: [7, 20])
+    got = list(paused(model, tokenizer, prompt, max_tokens=8, prompt_cache=make_prompt_cache(model), prefill_step_size=5,
+                      prompt_progress_callback=lambda done, total: seen.append((done, total))))
+    want = list(stream_generate(model, tokenizer, prompt, max_tokens=8, prompt_cache=make_prompt_cache(model),
+                                prefill_step_size=5))
+    assert [r.token for r in got] == [r.token for r in want]
+    assert all(bits_equal(a.logprobs, b.logprobs).item() for a, b in zip(got, want))
+    assert stored == [7, 20, len(prompt) - 1]
+    dones = [d for d, _ in seen]
+    assert {t for _, t in seen} == {len(prompt)} and dones[0] == 0 and dones[-1] == len(prompt)
+    assert dones == sorted(set(dones)), dones

@@ -214,19 +214,21 @@ class _Fetches:
     def note_segments(self, prompt: List[int], segments: List[List[int]], types: List[str]) -> None:
         """``prompt`` (about to be fetched) splits into ``segments`` of
         ``types``, as mlx-lm's batched path checkpoints it: at the end of each
-        but the last."""
+        but the last, typed as the segment that ends there, and the prompt but
+        its last token, typed as the last segment."""
         ends, n = {}, 0
         for seg, kind in zip(segments[:-1], types):
             n += len(seg)
             ends[n] = kind
-        self._last.segments = (list(prompt), ends)
+        self._last.segments = (list(prompt), ends, types[-1] if types else "assistant")
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         toks = list(tokens)
         cache, rest = self._cache.fetch_nearest_cache(model, toks)
         noted = getattr(self._last, "segments", None)
         self._last.segments = None
-        self._last.query = (model, toks, len(toks) - len(rest), noted[1] if noted is not None and noted[0] == toks else {})
+        ends, last = (noted[1], noted[2]) if noted is not None and noted[0] == toks else ({}, "assistant")
+        self._last.query = (model, toks, len(toks) - len(rest), ends, last)
         return cache, rest
 
     def breaks(self) -> List[int]:
@@ -236,16 +238,17 @@ class _Fetches:
 
     def checkpoint(self, layers: List[Any], done: int) -> None:
         """Insert ``layers``, covering ``done`` tokens past the last fetch's
-        cached prefix, as its ``system`` checkpoint when the system prompt
-        ends there, otherwise its ``user`` one; refused, logged, if they
-        cover other."""
+        cached prefix, typed as mlx-lm's batched path types a checkpoint
+        there (:meth:`note_segments`; a prompt whose segments were not noted,
+        as one segment of type ``assistant``); refused, logged, if they cover
+        other."""
         query = getattr(self._last, "query", None)
         if query is None:
             return
-        model, toks, cached, ends = query
+        model, toks, cached, ends, last = query
         n = cached + done
         if 0 < n < len(toks):
-            self._cache.insert_cache(model, toks[:n], layers, cache_type="system" if ends.get(n) == "system" else "user")
+            self._cache.insert_cache(model, toks[:n], layers, cache_type=ends.get(n, last))
 
 
 def _gated_layers(model_provider) -> Callable[[Any], Union[None, bool, Sequence[bool]]]:
@@ -299,10 +302,12 @@ def _generator_class(mlx_server):
             prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
             if not prompt:  # mlx-lm's batch would raise on it outside any try: its generation thread died
                 raise ValueError("the prompt is empty: there is nothing to generate from")
-            if request.request_type == "chat" and vision is None and not self._always_trimmable():
+            trimmable = self._always_trimmable()
+            if request.request_type == "chat" and vision is None and not trimmable:
                 segments, types = split_at_messages_end(tokenizer, request.messages, prompt, segments, types)
-                if isinstance(self.prompt_cache, _Fetches):  # for _serve_single, which drops them
-                    self.prompt_cache.note_segments(prompt, segments, types)
+            if isinstance(self.prompt_cache, _Fetches):  # for _serve_single, which drops them
+                # a cache that trims needs no checkpoint inside the prompt: only the last type is noted
+                self.prompt_cache.note_segments(prompt, [prompt] if trimmable else segments, types[-1:] if trimmable else types)
             return prompt, segments, types, state, vision
 
         def _always_trimmable(self) -> bool:

@@ -157,7 +157,9 @@ def _plain(mlx_stream_generate: Any, model: Any, tokenizer: Any, prompt: Any, ma
     inside the prompt, with logits processors (penalties see the tokens
     ``generate_step`` prefilled itself), or under ``--kv-bits`` once the
     prompt reaches ``quantized_kv_start`` (:func:`_unquantized`), mlx-lm's alone. The server's
-    progress callback is told the whole prompt's counts either way."""
+    progress callback is told the whole prompt's counts either way (the
+    responses' ``prompt_tokens`` and ``prompt_tps``, which the server does
+    not read, count what ``generate_step`` got)."""
     cache = kwargs["prompt_cache"]
     progress = kwargs.get("prompt_progress_callback")
     tokens: List[int] = []
@@ -167,6 +169,8 @@ def _plain(mlx_stream_generate: Any, model: Any, tokenizer: Any, prompt: Any, ma
         tokens = [int(t) for t in given]
         if _unquantized(cache, len(tokens) - 1, kwargs):
             for b in sorted({b for b in breaks if 0 < b < len(tokens) - 1}):
+                if not cut and progress is not None:
+                    progress(0, len(tokens))  # as generate_step starts
                 _prefill(model, tokens[cut:b], cache, progress, cut, len(tokens), kwargs)
                 checkpoint(cache, b)
                 cut = b
@@ -193,12 +197,13 @@ def _prefill(model: Any, tokens: List[int], cache: List[Any], progress: Optional
              before: int, total: int, kwargs: Dict[str, Any]) -> None:
     """Run ``tokens`` through ``model`` into ``cache`` as ``generate_step``'s
     prefill loop does, reporting ``(before + done, total)`` after each step."""
-    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream, maybe_quantize_kv_cache
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream, maybe_quantize_kv_cache, wired_limit
 
     step = int(kwargs.get("prefill_step_size") or 2048)
     quantize = {"quantized_kv_start": kwargs.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START),
                 "kv_group_size": kwargs.get("kv_group_size", 64), "kv_bits": kwargs.get("kv_bits")}
-    with mx.stream(kwargs.get("stream") or generation_stream):
+    stream = kwargs.get("stream") or generation_stream
+    with wired_limit(model, [cast(mx.Stream, stream)]), mx.stream(stream):  # as stream_generate runs generate_step
         done = 0
         while done < len(tokens):
             n = min(step, len(tokens) - done)
@@ -224,7 +229,7 @@ def _checkpointing(progress: Optional[Callable[[int, int], None]], cache: List[A
     def report(done: int, total: int) -> None:
         if 0 < done == total - 1:
             checkpoint(cache, before + done)
-        if progress is not None:
+        if progress is not None and (done or not before):  # (before, ...) was reported when it was reached
             progress(before + done, before + total)
 
     return report
