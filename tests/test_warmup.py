@@ -306,6 +306,28 @@ def test_a_budget_stops_the_job_before_it_evicts_what_it_warmed(tmp_path, batch_
         assert again.skipped == summary.stored  # what it stored is still there for a resumed job
 
 
+def test_a_budget_set_while_the_job_runs_stops_it_before_it_evicts_what_it_warmed(tmp_path):
+    """Another process sets a budget (``promptstore gc --budget``) while the
+    job runs: the job stops before it evicts what it warmed. It read the
+    budget once, at its start: it went on, evicted its own entries, and
+    reported them stored."""
+    model, tok, _, mdir = load_fixture("qwen3_next")
+    path = tmp_path / "s"
+    with PromptStore(path) as st:
+
+        def progress(done, total, tokens, seconds):
+            if done == 2 and st.budget is None:  # room for a few more entries, not for all
+                gc = subprocess.run([sys.executable, "-m", "promptstore.cli", "--store", str(path), "gc",
+                                     "--budget", str(st.usage() + 60_000), "--yes"], capture_output=True, text=True)
+                assert gc.returncode == 0 and st.budget is not None, gc.stderr
+
+        summary = warmup(st, mdir, PROMPTS, batch_size=1, checkpoint_every=0, loaded=(model, tok), progress=progress)
+        assert summary.stopped and "budget" in summary.stopped
+        assert 2 < summary.stored < 20
+        assert len(list(st.entries())) == summary.stored + summary.checkpoints  # nothing it wrote was evicted
+        assert st.verify().ok
+
+
 def test_a_budget_of_exactly_the_jobs_bytes_stores_every_prompt_and_evicts_none(tmp_path):
     """The job counted array bytes only, the budget manifests too: under a
     budget of exactly what the job writes, the last put evicted the first

@@ -173,7 +173,6 @@ class _Job:
         self.stored = 0
         self.checkpoints = 0
         self.start = time.perf_counter()
-        self.budget = getattr(store, "budget", None)
         self.cut = BLOCK_TOKENS  # the shortest block its entries' manifests name (set by the job)
 
     def _tick(self, tokens: int = 0, prompts: int = 0) -> None:
@@ -202,7 +201,10 @@ class _Job:
             self.checkpoints += 1
 
     def _budget(self) -> Optional[int]:
-        budget = self.budget() if callable(self.budget) else self.budget
+        """The store's byte budget now: read at each put, so one set while
+        the job runs (another process's ``gc --budget``) stops it too."""
+        budget = getattr(self.store, "budget", None)
+        budget = budget() if callable(budget) else budget
         return budget if isinstance(budget, int) and budget > 0 else None
 
     def over_budget(self) -> bool:
