@@ -8,7 +8,7 @@ from promptstore.cli._common import check_output, command, emit_json, guarded, i
 from promptstore.cli._model import best_lookup, check_length, load, model_options
 from promptstore.cli._prompt import prompt_options, prompt_tokens
 from promptstore.cli.put import progress_bar
-from promptstore.jobs.interop import check_cache_file_name, write_mlx_cache_file
+from promptstore.jobs.interop import check_cache_file_name, file_metadata_of, write_mlx_cache_file
 from promptstore.errors import InvalidInput
 from promptstore.jobs.prefill import make_cache, prefill
 
@@ -65,7 +65,9 @@ def get(obj, margs, pargs, output, as_json):
             bar, progress = progress_bar(len(rest))
             with bar:
                 cache = prefill(loaded.model, rest, cache=cache, progress=progress, options=margs.cache)
-        write_mlx_cache_file(output, cache, loaded.spec, tokens=tokens, fingerprint=loaded.identity)
+        # an imported entry's file metadata (tokenizer_config: mlx-lm's EOS token; user keys) goes back out, as export writes it
+        write_mlx_cache_file(output, cache, loaded.spec, tokens=tokens, fingerprint=loaded.identity,
+                             file_metadata=file_metadata_of(hit.info.meta) if hit else None)
     if as_json:
         emit_json({
             "tokens": len(tokens),

@@ -136,6 +136,14 @@ def test_file_metadata_survives_import_and_export(tmp_path):
     js(s, "export", entry["id"], "--model", LLAMA, "-o", back)
     _, again = load_prompt_cache(str(back), return_metadata=True)
     assert again["tokenizer_config"] == meta["tokenizer_config"] and again["model"] == LLAMA
+    # get -o of the prompt, and of a longer one (the rest prefilled), too: it wrote "{}", and
+    # mlx_lm.generate with the file lost the EOS token cache_prompt was given
+    for asked in (prompt, prompt + " And then some more words."):
+        got = tmp_path / "got.safetensors"
+        hit = js(s, "get", "--model", LLAMA, "--prompt", asked, "-o", got)
+        assert hit["entry"]["id"] == entry["id"]
+        _, again = load_prompt_cache(str(got), return_metadata=True)
+        assert again["tokenizer_config"] == meta["tokenizer_config"] and again["model"] == LLAMA
     # user keys written by save_prompt_cache(metadata=...), dotted ones included
     cache, _ = load_prompt_cache(str(out), return_metadata=True)
     mine = tmp_path / "mine.safetensors"
