@@ -17,6 +17,7 @@ from conftest import MODELS, load_fixture
 import promptstore.identity as identity
 from promptstore import PromptStore
 from promptstore.cli import main
+from promptstore.jobs.interop import read_mlx_cache_file
 from promptstore.jobs.prefill import encode_prompt, prefill
 
 LLAMA = str(MODELS / "llama")
@@ -144,6 +145,14 @@ def test_adapter_path_is_its_own_model(tmp_path):
     import mlx.core as mx
 
     assert all(mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]).item() for a, b in zip(got, want))
+    # export takes the adapter too (it had no --adapter-path: an adapter's entry could not be exported)
+    out = tmp_path / "adapted.safetensors"
+    err = js(s, "export", adapted["id"], "--model", LLAMA, "-o", out, code=1)
+    assert err["error"] == "ModelMismatch" and "pass that --adapter-path" in err["message"]
+    err = js(s, "export", base["id"], "--model", LLAMA, "--adapter-path", adapter, "-o", out, code=1)
+    assert err["error"] == "ModelMismatch" and "no --adapter-path" in err["message"]
+    done = js(s, "export", adapted["id"], "--model", LLAMA, "--adapter-path", adapter, "-o", out)
+    assert done["entry"]["id"] == adapted["id"] and read_mlx_cache_file(out).coverage == len(tokens)
     empty = tmp_path / "empty"
     empty.mkdir()
     err = js(s, "put", "--model", LLAMA, "--prompt", PROMPT, "--adapter-path", empty, code=1)
