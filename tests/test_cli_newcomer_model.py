@@ -19,6 +19,7 @@ from promptstore import PromptStore
 from promptstore.cli import main
 from promptstore.jobs.interop import read_mlx_cache_file
 from promptstore.jobs.prefill import encode_prompt, prefill
+from _bits import bits_equal
 
 LLAMA = str(MODELS / "llama")
 PROMPT = "You are a terse assistant. Explain prompt caches."
@@ -71,6 +72,17 @@ def test_max_kv_size_makes_a_rotating_cache(tmp_path, monkeypatch):
     with PromptStore(s) as store:
         cache = store.get(entry["model"], store.tokens(entry["id"]))
     assert [(c.max_size, c.keep, c.offset) for c in cache] == [(8, 4, entry["tokens"])] * 2
+    # exported, that window (its 4 kept tokens, then a window that has moved on) imports back: the
+    # model check took the shape of its positions from consecutive ones, and raised a TypeError
+    out = tmp_path / "window.safetensors"
+    js(s, "export", entry["id"], "--model", LLAMA, "-o", out)
+    js(s, "rm", entry["id"], "--yes")
+    back = js(s, "import", "--model", LLAMA, "--prompt", PROMPT, out)  # short: checked by a fresh prefill of it all
+    assert back["id"] == entry["id"] and back["kinds"] == ["kv.rotating", "kv.rotating"]
+    with PromptStore(s) as store:
+        again = store.get(entry["model"], store.tokens(entry["id"]))
+    assert all(bits_equal(a.keys, b.keys).item() and bits_equal(a.values, b.values).item() and a._idx == b._idx
+               for a, b in zip(again, cache))
 
 
 def test_system_prompt_and_ignore_chat_template(tmp_path):

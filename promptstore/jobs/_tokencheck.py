@@ -187,11 +187,13 @@ def _held(x: Any) -> int:
 
 
 def kv_shape(layer: Any) -> Optional[Tuple[int, ...]]:
-    """The shape of one position of a KV layer's keys, dequantized (None: not a KV layer)."""
-    held = _positions(layer)
-    if held is None:
+    """The shape of one position of a KV layer's keys, dequantized (None: not
+    a KV layer, or one that holds none). Any held position: a window whose
+    positions are not consecutive (``keep`` sink tokens, moved on) has one too."""
+    if type(layer) not in (KVCache, QuantizedKVCache, RotatingKVCache) or layer.keys is None or int(layer.offset) < 1:
         return None
-    return tuple(_floats(layer, _cut(held[0], 0, 1)).shape)
+    keys = tuple(layer.keys) if isinstance(layer.keys, (list, tuple)) else layer.keys  # a quantized triple, as a list when loaded
+    return tuple(_floats(layer, _cut(keys, 0, 1)).shape)
 
 
 def _max_tail(layer: Any, n: int) -> int:
