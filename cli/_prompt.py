@@ -50,7 +50,7 @@ def prompt_options(fn: Callable) -> Callable:
 
     @click.option("--prompt", "prompt", default=None, help="Prompt text; '-' reads standard input.")
     @click.option("--prompt-file", type=click.Path(dir_okay=False, exists=True), default=None, help="Read the prompt from a file (UTF-8).")
-    @click.option("--messages", "messages_file", type=click.Path(dir_okay=False, exists=True), default=None, help="A JSON list of chat messages.")
+    @click.option("--messages", "messages_file", type=click.Path(dir_okay=False, exists=True), default=None, help="A JSON list of chat messages (or {\"messages\": [...]}).")
     @templating_options
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -101,7 +101,11 @@ def read_prompt(pargs: PromptArgs) -> Tuple[Optional[str], Optional[List[Any]]]:
             raise InvalidInput(f"{pargs.messages_file}: not JSON ({err})") from err
         except RecursionError as err:  # nested deeper than the parser recurses
             raise InvalidInput(f"{pargs.messages_file}: JSON nested too deeply to be chat messages") from err
-        if isinstance(messages, dict) and "messages" in messages:
+        if isinstance(messages, dict) and "messages" in messages:  # a chat request's body
+            other = sorted(k for k in messages if k != "messages")
+            if other:  # e.g. tools, which mlx-lm's server renders into the prompt: the cache would not be the server's
+                raise InvalidInput(f"{pargs.messages_file}: keys other than \"messages\" are not used ({', '.join(map(str, other))}); "
+                                   "give the messages alone (a list, or {\"messages\": [...]})")
             messages = messages["messages"]
         try:
             check_messages(messages)

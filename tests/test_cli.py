@@ -90,6 +90,10 @@ def test_put_messages_file(cli, tmp_path):
     assert entry["tokens"] == len(tok.apply_chat_template(msgs, add_generation_prompt=False))
     # a dense model's cache is trimmable: no checkpoints are needed
     assert entry["checkpoints"] == []
+    # a request body with tools (which the server renders into the prompt) was taken, the tools dropped
+    f.write_text(json.dumps({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}))
+    err = js(cli("put", "--model", LLAMA, "--messages", str(f), "--json", code=1))
+    assert err["error"] == "InvalidInput" and "(tools)" in err["message"]
 
 
 # -- ls -------------------------------------------------------------------------
