@@ -119,6 +119,27 @@ def test_quantized_file_from_cache_prompt_kv_bits_imports_and_is_checked(tmp_pat
     assert entry["kinds"] == ["kv.quantized", "kv.quantized"] and entry["meta"]["import_check"].startswith("last 4 of")
 
 
+def test_a_quantized_file_whose_bits_do_not_fit_its_arrays_is_refused_typed(tmp_path):
+    """A quantized layer's bits (or group size) changed in the file: refused as
+    CorruptEntry, naming the layer, trusted or not. mlx's own ValueError from
+    dequantize reached the user ("unexpected ValueError ... a bug")."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    prompt = "Hello there. You are kind and patient."
+    out = cache_prompt(LLAMA, prompt, tmp_path / "q.safetensors", "--kv-bits", "4", "--kv-group-size", "64", "--quantized-kv-start", "0")
+    cache, meta = load_prompt_cache(str(out), return_metadata=True)
+    for field, value in (("bits", 8), ("group_size", 32)):
+        for layer in cache:
+            setattr(layer, field, value)
+        bad = tmp_path / f"bad-{field}.safetensors"
+        save_prompt_cache(str(bad), cache, meta)
+        for trust in ((), ("--trust-unverified",)):
+            err = js(tmp_path / "s", "import", "--model", LLAMA, "--prompt", prompt, bad, *trust, code=1)
+            assert err["error"] == "CorruptEntry" and "layer 0" in err["message"] and "do not fit" in err["message"], err
+        cache, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert js(tmp_path / "s", "ls") == []
+
+
 # -- mlx-lm file metadata through import and export ---------------------------------------
 
 

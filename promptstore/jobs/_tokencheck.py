@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from promptstore.codecs import codec_for_layer
-from promptstore.errors import CoverageMismatch, InvalidInput, PromptStoreError
+from promptstore.errors import CorruptEntry, CoverageMismatch, InvalidInput, PromptStoreError
 from promptstore.jobs.prefill import MAX_TOKEN_ID, make_cache, prefill, vocab_size
 
 __all__ = [
@@ -176,9 +176,18 @@ def _cut(x: Any, a: int, b: int) -> Any:
 
 
 def _floats(layer: Any, x: Any) -> mx.array:
+    """Positions as float32 (a quantized triple dequantized).
+
+    Raises:
+        CorruptEntry: a quantized layer whose bits or group size do not fit its arrays.
+    """
     if isinstance(x, tuple):
         packed, scales, biases = x
-        return mx.dequantize(packed, scales, biases, group_size=layer.group_size, bits=layer.bits).astype(mx.float32)
+        try:
+            return mx.dequantize(packed, scales, biases, group_size=layer.group_size, bits=layer.bits).astype(mx.float32)
+        except ValueError as err:  # mlx checks the shapes against the parameters
+            raise CorruptEntry(f"a quantized layer's arrays do not fit its {layer.bits} bits and group size "
+                               f"{layer.group_size} ({err})") from err
     return x.astype(mx.float32)
 
 

@@ -250,6 +250,7 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
 
     Raises:
         ModelMismatch: another layer count, class, window, shape or dtype.
+        CorruptEntry: a quantized layer whose bits or group size do not fit its arrays.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -282,7 +283,10 @@ def check_cache_fits_model(cache: Sequence[Any], model: Any, where: str = "cache
     for i, (mine, theirs) in enumerate(zip(probe, cache)):
         a, b = shapes(mine), shapes(theirs)
         if type(mine) is not type(theirs):  # a substitute: its keys, dequantized
-            a, b = [kv_shape(mine)], [kv_shape(theirs)]
+            try:
+                a, b = [kv_shape(mine)], [kv_shape(theirs)]
+            except CorruptEntry as err:
+                raise CorruptEntry(f"{where}: layer {i}: {err}") from err
             if b == [None]:  # it holds no position: no shape to compare (its coverage is checked apart)
                 continue
         if len(a) != len(b) or not all(_same_but_length(x, y, mine) for x, y in zip(a, b)):
