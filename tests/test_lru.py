@@ -153,3 +153,30 @@ def test_a_refused_set_budget_keeps_the_uses_recorded_before_it(tmp_path):
         with pytest.raises(StoreFull):
             s.set_budget(10)
         assert s.counters()["hits"] == 1
+
+
+def test_a_read_only_gc_plan_on_a_store_older_than_the_lru_order_follows_the_last_uses(tmp_path):
+    """A store of format 1 or 2 has no ``lru`` table until it is opened for
+    writing; a plan on it opened read-only (``gc --dry-run``) raised
+    KeyError b'lru' once the budget was below its usage (a reviewer's
+    finding). It plans by the last uses, as the upgraded store does."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from promptstore.cli import main
+    from promptstore.store._schema import LRU
+
+    path = tmp_path / "old"
+    shutil.copytree(HERE.parent / "fixtures" / "golden" / "store-format-1", path)
+    with PromptStore(path, readonly=True) as ro:
+        assert LRU not in ro._db and ro.usage() > 20_000
+        plan = ro.gc(budget=20_000, dry_run=True)
+    assert plan.evicted and plan.usage <= 20_000
+    r = CliRunner().invoke(main, ["--store", str(path), "gc", "--dry-run", "--budget", "20kB", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["evict"] == list(plan.evicted)
+    with PromptStore(path) as store:  # opened for writing: upgraded, the lru order built
+        assert LRU in store._db
+        assert store.gc(budget=20_000, dry_run=True).evicted == plan.evicted

@@ -25,12 +25,12 @@ larger than the budget until ``compact`` (the file never shrinks by itself).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from promptstore.errors import InvalidInput, PromptStoreError, StoreFull
 from promptstore.format._entry import unpack_manifest
 from promptstore.store._keys import entry_id
-from promptstore.store._schema import BUDGET_KEY, F64, PINS, REFS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
+from promptstore.store._schema import BUDGET_KEY, F64, LRU, PINS, REFS, SIZES, U64, USAGE_KEY, Tables, f64_or, u64_or
 
 Unlink = Callable[[Any, bytes, Optional[bytes]], bool]  # False: the entry's manifest could not be read, its blocks stay counted
 
@@ -114,6 +114,19 @@ def _lru_key(used: bytes, ekey: bytes) -> bytes:
     # Big-endian IEEE doubles >= 0 sort as their values; a damaged or negative one sorts first.
     t = f64_or(used, 0.0)
     return F64.pack(t if t >= 0.0 else 0.0) + ekey
+
+
+def oldest_first(txn, db: Tables) -> Iterator[bytes]:
+    """Entry keys, least recently used first: the ``lru`` order; in a store
+    older than that table (format 1 or 2, opened read-only, so not
+    upgraded), the same order built from ``used`` as the upgrade builds it."""
+    if LRU in db:
+        return (bytes(k)[F64.size :] for k in txn.cursor(db=db.lru).iternext(keys=True, values=False))
+    order = []
+    for k in txn.cursor(db=db.entries).iternext(keys=True, values=False):
+        used = txn.get(bytes(k), db=db.used)
+        order.append(_lru_key(bytes(used) if used is not None else F64.pack(0.0), bytes(k)))
+    return (k[F64.size :] for k in sorted(order))
 
 
 def rebuild_lru(txn, db: Tables) -> None:
@@ -262,10 +275,9 @@ def plan(txn, db: Tables, budget: int, keep: Set[bytes], freed: Union[None, Free
     if now <= budget:
         return [], now
     victims = []
-    for key in txn.cursor(db=db.lru).iternext(keys=True, values=False):
+    for k in oldest_first(txn, db):
         if now <= budget:
             break
-        k = bytes(key)[F64.size :]
         if k in keep or is_pinned(txn, db, k):
             continue
         gain = freed(k) if freed is not None else size_of(txn, db, k)
