@@ -22,8 +22,10 @@ def compact(obj, as_json):
     Safe while other processes use the store: they move to the new file at
     their next transaction. Needs free disk space for the compacted copy.
     """
-    upgraded = obj.local_only().existing_store().upgrade()
-    before, after = obj.existing_store().compact(upgrade=False)
+    store = obj.local_only().existing_store()
+    before = store.file_size()  # before the upgrade writes anything
+    upgraded = store.upgrade()
+    _, after = store.compact(upgrade=False)
     if as_json:
         emit_json({"before_bytes": before, "after_bytes": after, "upgraded": upgraded, "generation": obj.existing_store().env.generation})
     else:

@@ -89,6 +89,35 @@ def test_compact_rewrites_an_old_store_into_shared_blocks(tmp_path):
     store.close()
 
 
+def test_compact_reports_the_bytes_before_its_upgrade_wrote_anything(tmp_path):
+    """compact measured "before" after its own upgrade had rewritten the old
+    entries (the CLI upgraded first, the API read the data file after its
+    upgrade and repack): it reported more than the store ever held before
+    the command (a reviewer's finding)."""
+    tokens = list(range(6 * 300))
+    for how in ("cli", "api"):
+        path = tmp_path / how
+        with PromptStore(path, shared_blocks=False) as old:  # what the previous release wrote
+            for t, c in enumerate(chat_caches(6, 300)):
+                old.put(MODEL, tokens[: (t + 1) * 300], c)
+        with PromptStore(path, readonly=True) as ro:
+            size = ro.file_size()
+        if how == "cli":
+            r = CliRunner().invoke(main, ["--store", str(path), "compact", "--json"])
+            assert r.exit_code == 0, r.output
+            out = json.loads(r.output)
+            assert out["upgraded"] == 6
+            before, after = out["before_bytes"], out["after_bytes"]
+        else:
+            with PromptStore(path) as store:
+                assert store.file_size() == size
+                before, after = store.compact()
+                assert store.upgrade() == 0  # compact upgraded them
+                assert after == store.file_size()
+        assert before == size, how
+        assert after < before
+
+
 def test_upgrade_leaves_damaged_entries_and_is_off_without_shared_blocks(tmp_path):
     path = tmp_path / "s"
     old = PromptStore(path, shared_blocks=False)

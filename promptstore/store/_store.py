@@ -561,7 +561,8 @@ class PromptStore:
     def compact(self, upgrade: bool = True) -> Tuple[int, int]:
         """Rewrite the data file without its free pages, and every pack file
         that holds blocks no entry uses any more without them: ``(bytes
-        before, after)`` of the store's files (:meth:`file_size`).
+        before, after)`` of the store's files (:meth:`file_size`), before
+        measured as the call starts.
 
         With ``upgrade`` (and shared blocks on), entries of the older layouts
         are first rewritten into shared blocks (:meth:`upgrade`).
@@ -573,13 +574,13 @@ class PromptStore:
         Raises:
             StoreFull: no room for the copy (the store is unchanged).
         """
-        start = self._blobs.nbytes() + self._packs.nbytes()
+        before = self.file_size()  # before the upgrade and the repack write anything
         if upgrade:
             self.upgrade()
         self.flush()
         self._writer.write_packs(lambda txn, fresh: self._writer.repack(txn, fresh, every=True))
-        before, after = self.env.compact()
-        return before + start, after + self._blobs.nbytes() + self._packs.nbytes()
+        _, after = self.env.compact()
+        return before, after + self._blobs.nbytes() + self._packs.nbytes()
 
     def upgrade(self) -> int:
         """Rewrite entries of the older layouts (entry formats 1 and 2) whose
