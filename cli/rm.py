@@ -45,7 +45,10 @@ def rm(obj, keys, model, older_than, dry_run, yes, as_json):
             cutoff = datetime.now(timezone.utc) - age
         except OverflowError as err:  # before the year 1: as parse_duration refuses a longer one
             raise click.BadParameter(f"{older_than!r} is longer than any age an entry can have", param_hint="--older-than") from err
-    store = obj.local_only().existing_store()
+    # A dry run only reads: it plans on a store this user may only read, and
+    # never upgrades one of an older layout (its release could not open it then).
+    local = obj.local_only()
+    store = local.reader() if dry_run else local.existing_store()
     everything = list(store.entries())
     if keys:
         plan, seen = [], set()

@@ -248,6 +248,32 @@ def test_rm_usage_errors_exit_2(cli):
     assert "longer than any age" in js(cli("rm", "--older-than", "99999999999d", "--yes", "--json", code=2))["message"]
 
 
+def test_rm_dry_run_only_reads_a_store_of_an_older_layout(cli):
+    """rm --dry-run opened the store for writing: a store of an older format
+    was upgraded by a dry run (its own release then refused it), and a
+    store this user may only read was refused, where gc --dry-run plans
+    (a reviewer's finding). It opens read-only, as gc --dry-run does."""
+    import shutil
+    from pathlib import Path
+
+    from promptstore.store._schema import FORMAT_KEY, U64
+
+    golden = Path(__file__).resolve().parent.parent / "fixtures" / "golden" / "store-format-1"
+    shutil.copytree(golden, cli.store_dir)
+    data = Path(cli.store_dir) / "data.mdb"
+    raw = data.read_bytes()
+    with PromptStore(cli.store_dir, readonly=True) as ro:
+        ids = sorted(i.id for i in ro.entries())
+    plan = js(cli("rm", ids[0], "--dry-run", "--json"))
+    assert plan["dry_run"] and [p["id"] for p in plan["planned"]] == [ids[0]] and plan["own_bytes"] > 0
+    assert "nothing removed" in cli("rm", "--older-than", "1s", "--dry-run").stdout
+    assert data.read_bytes() == raw  # not upgraded, nothing written
+    with PromptStore(cli.store_dir, readonly=True) as ro:
+        with ro.env.read() as txn:
+            assert U64.unpack(bytes(txn.get(FORMAT_KEY, db=ro._db.info)))[0] == 1
+        assert sorted(i.id for i in ro.entries()) == ids
+
+
 def test_parse_duration():
     assert parse_duration("7d") == timedelta(days=7)
     assert parse_duration("1d12h") == timedelta(hours=36)
