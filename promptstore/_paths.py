@@ -51,24 +51,25 @@ def default_path() -> Path:
     return cache_root() / "promptstore"
 
 
-def store_path(path: Any) -> Path:
-    """``path`` as a store's folder, checked before anything is created.
+def store_path(path: Any, what: str = "the store path") -> Path:
+    """``path`` as a store's folder, checked before anything is created
+    (``what`` names it in the messages).
 
     Raises:
         InvalidInput: not a str or path, empty, or one the file system
             cannot name (a NUL byte, a name that is not UTF-8).
     """
     if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
-        raise InvalidInput(f"the store path must be a str or a pathlib.Path, not {type(path).__name__}")
+        raise InvalidInput(f"{what} must be a str or a pathlib.Path, not {type(path).__name__}")
     try:
         os.fspath(path).encode("utf-8")  # py-lmdb opens paths by their UTF-8 bytes
     except UnicodeEncodeError as err:
-        raise InvalidInput(f"the store path {str(path)[:80]!r} is not valid UTF-8 ({err.reason})") from err
+        raise InvalidInput(f"{what} {str(path)[:80]!r} is not valid UTF-8 ({err.reason})") from err
     if "\0" in os.fspath(path):
-        raise InvalidInput("the store path contains a NUL byte")
+        raise InvalidInput(f"{what} contains a NUL byte")
     if os.fspath(path) == "":
-        raise InvalidInput("the store path is empty; name a folder (\".\" for the current one)")
-    return user_path(path, "the store path")
+        raise InvalidInput(f"{what} is empty; name a folder (\".\" for the current one)")
+    return user_path(path, what)
 
 
 def durable(path: Path) -> None:

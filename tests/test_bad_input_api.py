@@ -251,6 +251,32 @@ def test_a_salvage_into_a_folder_inside_the_source_is_invalid_input(tmp_path):
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == before
 
 
+@pytest.mark.parametrize("src, dst, what", [
+    (None, "out", "the store to salvage must be a str"),
+    ("s", None, "the salvage destination must be a str"),
+    ("s", 5, "the salvage destination must be a str"),
+    ("s", b"out", "the salvage destination must be a str"),
+    ("s", "out\0x", "the salvage destination contains a NUL byte"),
+    ("s\0x", "out", "the store to salvage contains a NUL byte"),
+    ("s", "", "the salvage destination is empty"),
+])
+def test_salvage_of_something_that_is_not_a_path_is_invalid_input(tmp_path, monkeypatch, src, dst, what):
+    """salvage(None, dst) and PromptStore.salvage(None) raised TypeError, a
+    NUL byte ValueError (a reviewer's finding): InvalidInput, nothing written."""
+    from promptstore import salvage
+
+    monkeypatch.chdir(tmp_path)
+    with PromptStore(tmp_path / "s") as st:
+        st.put("m@x", list(range(20)), [_kv(20, 20)])
+        if src == "s":
+            with pytest.raises(InvalidInput, match=what):
+                st.salvage(dst)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(InvalidInput, match=what):
+        salvage(src, dst)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
 @pytest.mark.parametrize("keys", [None, 5, "abc", [1, 2]])
 def test_own_bytes_of_something_that_is_not_a_list_of_ids_is_invalid_input(tmp_path, keys):
     with PromptStore(tmp_path / "s") as st:

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import lmdb
 
-from promptstore._paths import user_path
+from promptstore._paths import store_path
 from promptstore.errors import InvalidInput, PromptStoreError, StoreUnavailable, UnknownStorageKind, UnsupportedVersion
 from promptstore.format import _blobs, _entry, _packs, _payload
 from promptstore.store import _budget, _keys, _rawscan
@@ -146,10 +146,12 @@ def salvage(src, dst) -> SalvageReport:
     times and pins.
 
     Raises:
-        InvalidInput: ``dst`` exists and is not empty, or is inside ``src``.
+        InvalidInput: ``src`` or ``dst`` is not a path (not a str or
+            pathlib.Path, empty, a NUL byte), ``dst`` exists and is not
+            empty, or is inside ``src``.
         StoreUnavailable: the source cannot be opened at all (the message says why).
     """
-    src, dst = user_path(src, "the store to salvage"), user_path(dst, "the salvage destination")
+    src, dst = store_path(src, "the store to salvage"), store_path(dst, "the salvage destination")
     if dst.exists() and not dst.is_dir():
         raise InvalidInput(f"{dst} is a file; salvage writes into a fresh directory")
     if dst.exists() and any(dst.iterdir()):

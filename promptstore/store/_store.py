@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from promptstore import rows
@@ -595,5 +594,5 @@ class PromptStore:
 
         See :func:`promptstore.salvage`.
         """
-        return _salvage(self.path, Path(dst))
+        return _salvage(self.path, dst)  # it checks ``dst`` (InvalidInput)
 
