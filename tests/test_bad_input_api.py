@@ -277,6 +277,17 @@ def test_salvage_of_something_that_is_not_a_path_is_invalid_input(tmp_path, monk
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("fix", ["yes", "no", 1, 0, None])
+def test_verify_with_a_fix_that_is_not_a_bool_is_invalid_input(tmp_path, fix):
+    """verify(fix="no") was taken as fix=True, and the report said fixed='no'
+    (a reviewer's finding)."""
+    with PromptStore(tmp_path / "s") as st:
+        st.put("m@x", list(range(20)), [_kv(20, 20)])
+        with pytest.raises(InvalidInput, match="fix must be True or False"):
+            st.verify(fix=fix)
+        assert st.verify(fix=False).fixed is False and st.verify(fix=True).fixed is True
+
+
 @pytest.mark.parametrize("keys", [None, 5, "abc", [1, 2]])
 def test_own_bytes_of_something_that_is_not_a_list_of_ids_is_invalid_input(tmp_path, keys):
     with PromptStore(tmp_path / "s") as st:

@@ -487,7 +487,12 @@ class PromptStore:
             shared-block reference counts (``bad_counts``) and removes blocks
             nothing references (``orphan_blocks``); it never deletes an
             intact entry.
+
+        Raises:
+            InvalidInput: ``fix`` is not a bool.
         """
+        if not isinstance(fix, bool):  # fix="no" would delete what is broken
+            raise InvalidInput(f"fix must be True or False, not {fix!r:.80}")
         return self._maintenance.verify(fix)
 
     # -- capacity --------------------------------------------------------------
