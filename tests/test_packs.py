@@ -324,6 +324,32 @@ def test_salvage_copies_entries_whose_blocks_are_in_packs(tmp_path):
         audit_blocks(out), audit_packs(out)
 
 
+def test_salvage_of_a_store_this_process_holds_open(tmp_path):
+    """``store.salvage(dst)`` on an open PromptStore (as the README shows it)
+    copies every entry: it reads a consistent copy of the data file. It used to
+    open the folder a second time, which LMDB refuses in one process, and
+    report the header pages damaged, advising to remove the store.
+    ``promptstore.salvage(path, dst)`` on a store this process holds says so."""
+    from promptstore import StoreUnavailable
+
+    with PromptStore(tmp_path / "s") as store:
+        t1, c1 = chat(600)
+        t2, c2 = chat(1500)
+        store.put(MODEL, t1, c1)
+        store.put(MODEL, t2, c2)
+        rep = store.salvage(tmp_path / "out")
+        assert len(rep.copied) == 2 and not rep.skipped and not rep.scanned
+        with pytest.raises(StoreUnavailable, match="open in this process") as err:
+            salvage(tmp_path / "s", tmp_path / "other")
+        assert "damaged" not in str(err.value) and not (tmp_path / "other").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s"]  # no snapshot left behind
+        assert same(store.get(MODEL, t2), c2) and store.verify().ok
+    with PromptStore(tmp_path / "out") as out:
+        assert same(out.get(MODEL, t1), c1) and same(out.get(MODEL, t2), c2)
+        assert packs(out) and out.verify().ok
+        audit_blocks(out), audit_packs(out)
+
+
 def test_salvage_of_a_damaged_entry_does_not_bring_back_deleted_ones(tmp_path):
     """One unreadable entry makes salvage scan the data file's bytes for it;
     manifests of entries deleted before, left in freed pages, stay deleted."""

@@ -509,6 +509,19 @@ class Env:
                     if undo is not None:
                         undo()
 
+    def snapshot(self, dest: Path) -> None:
+        """Copy the live generation's data file into the empty folder ``dest``:
+        LMDB's own copy, one consistent state under a read transaction, while
+        this process and others go on reading and writing."""
+        self.check_pid()
+        gen, token = self._follow()
+        try:
+            gen.env.copy(str(dest))
+        except lmdb.Error as err:
+            raise translate(err, gen.dir, "copy") from err
+        finally:
+            self._release(gen, token)
+
     # -- compaction --------------------------------------------------------------
 
     def compact(self) -> Tuple[int, int]:

@@ -35,8 +35,13 @@ from promptstore.store._verify import is_newer
 from promptstore.store._write import EntryWriter
 
 
-def _open_source(src: Path, scratch: Path):
-    where, _ = live_dir(src)
+def _data_dir(src: Path, data: Optional[Path]) -> Path:
+    """The folder of the data file salvage reads: ``data`` (a snapshot) or the live generation's."""
+    return data if data is not None else live_dir(src)[0]
+
+
+def _open_source(src: Path, scratch: Path, data: Optional[Path] = None):
+    where = _data_dir(src, data)
     if not (where / "data.mdb").exists():
         raise StoreUnavailable(f"{src}: no data.mdb in {where}; nothing to salvage")
     try:
@@ -53,6 +58,11 @@ def _open_source(src: Path, scratch: Path):
             os.truncate(scratch / "data.mdb", need)
             env = _open_raw(scratch)
     except lmdb.Error as err:
+        if "already open in this process" in str(err):  # not damage: a PromptStore of this process holds it
+            raise StoreUnavailable(
+                f"{src} is open in this process (a PromptStore; LMDB opens a store once per process): "
+                "call that PromptStore's salvage(dst), or close it first"
+            ) from err
         raise StoreUnavailable(
             f"{where}/data.mdb cannot be opened ({err}); its header pages are damaged beyond what salvage "
             "can read: restore the directory from a backup or remove it"
@@ -136,8 +146,26 @@ def _read_entry(env, dbs, ekey: bytes, src: Path):
     return raw, man, chunks, blocks, (bytes(used) if used is not None else None), pinned
 
 
-def salvage(src, dst) -> SalvageReport:
-    """Copy every intact entry of the store at ``src`` into a new store at ``dst``.
+def check_destination(src, dst) -> Tuple[Path, Path]:
+    """``(src, dst)`` as paths, once ``dst`` is known to be a fresh folder outside ``src``.
+
+    Raises:
+        InvalidInput: either is not a path, or ``dst`` is a file, is not
+            empty, or is inside ``src``.
+    """
+    src, dst = store_path(src, "the store to salvage"), store_path(dst, "the salvage destination")
+    if dst.exists() and not dst.is_dir():
+        raise InvalidInput(f"{dst} is a file; salvage writes into a fresh directory")
+    if dst.exists() and any(dst.iterdir()):
+        raise InvalidInput(f"{dst} exists and is not empty; salvage writes into a fresh directory")
+    if dst.absolute().resolve().is_relative_to(src.absolute().resolve()):  # the source is only read: nothing is added to it
+        raise InvalidInput(f"{dst} is inside the store {src}; salvage into a folder outside it")
+    return src, dst
+
+
+def salvage(src, dst, data: Optional[Path] = None) -> SalvageReport:
+    """Copy every intact entry of the store at ``src`` into a new store at ``dst``
+    (its data file read from the folder ``data``, a snapshot of it, when given).
 
     The source is only read. Damaged entries and anything unreadable are
     skipped and listed. The budget of the source, when readable, is set on
@@ -151,20 +179,14 @@ def salvage(src, dst) -> SalvageReport:
             empty, or is inside ``src``.
         StoreUnavailable: the source cannot be opened at all (the message says why).
     """
-    src, dst = store_path(src, "the store to salvage"), store_path(dst, "the salvage destination")
-    if dst.exists() and not dst.is_dir():
-        raise InvalidInput(f"{dst} is a file; salvage writes into a fresh directory")
-    if dst.exists() and any(dst.iterdir()):
-        raise InvalidInput(f"{dst} exists and is not empty; salvage writes into a fresh directory")
-    if dst.absolute().resolve().is_relative_to(src.absolute().resolve()):  # the source is only read: nothing is added to it
-        raise InvalidInput(f"{dst} is inside the store {src}; salvage into a folder outside it")
+    src, dst = check_destination(src, dst)
     scratch = dst.parent / f".{dst.name}.salvage-src"
     shutil.rmtree(scratch, ignore_errors=True)
     unopened: Optional[StoreUnavailable] = None
     try:
-        env, dbs = _open_source(src, scratch)
+        env, dbs = _open_source(src, scratch, data)
     except StoreUnavailable as err:
-        if not (live_dir(src)[0] / "data.mdb").exists():
+        if "open in this process" in str(err) or not (_data_dir(src, data) / "data.mdb").exists():
             raise
         env, dbs, unopened = None, None, err  # its tree cannot be walked: the raw scan may still find entries
     copied: List[str] = []
@@ -226,7 +248,7 @@ def salvage(src, dst) -> SalvageReport:
                 # in freed pages is an entry deleted before, not one to
                 # bring back. Past a broken tree every manifest found counts.
                 only = {e for e, _ in skipped} - newer if env is not None and not broken else None
-                for ekey, eid, outcome in _raw_pass(src, scratch, done | newer, only):
+                for ekey, eid, outcome in _raw_pass(src, scratch, done | newer, only, data):
                     if isinstance(outcome, str):
                         if eid not in {e for e, _ in skipped}:
                             skipped.append((eid, outcome))
@@ -272,13 +294,14 @@ def _stamps(env, dbs, ekey: bytes) -> Tuple[Optional[bytes], bool]:
         return None, False
 
 
-def _raw_pass(src: Path, scratch: Path, done: Set[str], only: Optional[Set[str]] = None) -> Iterator[Tuple[bytes, str, Any]]:
+def _raw_pass(src: Path, scratch: Path, done: Set[str], only: Optional[Set[str]] = None,
+              data_dir: Optional[Path] = None) -> Iterator[Tuple[bytes, str, Any]]:
     """Entries found by scanning the data file's bytes (``_rawscan``) that
     are not in ``done`` (and are in ``only``, unless it is None): ``(entry
     key, id, Found)`` when every part was found and checks, else ``(entry
     key, id, why not)``."""
     where = f"{src} (scanned)"
-    data = _rawscan.DataFile(live_dir(src)[0] / "data.mdb")
+    data = _rawscan.DataFile(_data_dir(src, data_dir) / "data.mdb")
     try:
         in_packs = _rawscan.pack_blocks(src, where)
         src_packs = _packs.Packs(src)
