@@ -12,7 +12,7 @@ from promptstore.store import _budget, _index, _keys, _packing, _refcount
 from promptstore.store._env import Env
 from promptstore.store._read import _LOOKS, Reader
 from promptstore.store._results import VerifyReport
-from promptstore.store._schema import PACKS, Tables, model_of, owner_of_chunk
+from promptstore.store._schema import PACKS, REFS, Tables, model_of, owner_of_chunk
 from promptstore.store._walk import walk_tables
 from promptstore.store._write import EntryWriter
 
@@ -93,6 +93,8 @@ class Maintenance:
     def _counts(self, txn) -> "_Counts":
         """How the stored reference counts differ from the references the manifests make."""
         db = self._db
+        if REFS not in db:  # a store older than shared blocks, opened read-only: none is stored or counted
+            return _Counts([], [])
         want, unreadable = _refcount.references(txn, db)
         have = {bytes(k): _budget.ref_count(v) for k, v in txn.cursor(db=db.refs)}
         stored = _refcount.stored(txn, db)

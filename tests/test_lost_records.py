@@ -1,0 +1,40 @@
+"""verify on a store older than shared blocks, opened read-only. Real LMDB
+files: the tables are dropped with the lmdb module's own calls."""
+
+from __future__ import annotations
+
+import lmdb
+from click.testing import CliRunner
+
+from _content import MODEL, make_entry, same_cache
+from promptstore import PromptStore
+from promptstore.cli import main
+from promptstore.store._schema import FORMAT_KEY, U64
+
+
+def all_intact(store, items) -> bool:
+    return all(same_cache(store.get(MODEL, toks), cache) for toks, cache in items)
+
+
+def test_verify_reads_a_store_older_than_shared_blocks_read_only(tmp_path):
+    """Read-only verify of a store the release before shared blocks wrote
+    (format 1: no ``blocks``, ``refs``, ``places``, ``packs``, ``trims``,
+    ``lru`` tables) raised KeyError b'refs'."""
+    path = tmp_path / "s"
+    items = [make_entry(3, i) for i in range(3)]
+    with PromptStore(path, shared_blocks=False) as store:
+        for toks, cache in items:
+            store.put(MODEL, toks, cache)
+    env = lmdb.open(str(path), max_dbs=32)
+    with env.begin(write=True) as txn:
+        for name in (b"blocks", b"refs", b"places", b"packs", b"trims", b"lru"):
+            txn.drop(env.open_db(name, txn=txn), delete=True)
+        txn.put(FORMAT_KEY, U64.pack(1), db=env.open_db(b"info", txn=txn))
+    env.close()
+    with PromptStore(path, readonly=True) as ro:
+        rep = ro.verify()
+        assert rep.ok and rep.checked == 3, rep
+    res = CliRunner().invoke(main, ["--store", str(path), "verify"])
+    assert res.exit_code == 0 and "ok: 3 entries checked" in res.output, res.output
+    with PromptStore(path) as store:  # opened for writing: brought to this layout
+        assert store.verify(fix=True).ok and all_intact(store, items)
