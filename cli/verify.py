@@ -41,6 +41,7 @@ def verify(obj, fix, as_json):
             "bad_counts": report.bad_counts,
             "orphan_blocks": report.orphan_blocks,
             "bad_accounting": report.bad_accounting,
+            "removed": list(report.removed),
             "fixed": report.fixed and not report.ok,
             "ok": report.ok,
         })
@@ -63,9 +64,11 @@ def verify(obj, fix, as_json):
         if report.ok:
             click.echo(f"ok: {plural(report.checked)} checked")
         elif fix:
+            kept = len(report.problems) - len(report.removed)
             click.echo(
-                f"fixed: removed {plural(len(report.problems), 'damaged entry')} and {plural(report.orphan_chunks, 'orphaned chunk')} "
+                f"fixed: removed {plural(len(report.removed), 'damaged entry')} and {plural(report.orphan_chunks, 'orphaned chunk')} "
                 f"of {report.checked} checked"
+                + (f"; kept {plural(kept)} listed above, not found damaged (reading failed, or it changed meanwhile)" if kept else "")
             )
         elif report.problems:
             click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)

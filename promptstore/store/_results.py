@@ -67,6 +67,7 @@ class VerifyReport:
     newer: Tuple[Tuple[str, str], ...] = ()  # (entry id, why): intact, written by a newer promptstore; kept
     orphan_packs: int = 0  # pack files the store does not record: leftovers of killed puts, not damage
     bad_accounting: int = 0  # entries' size records, and the usage counter, that differ from what is stored
+    removed: Tuple[str, ...] = ()  # with fix: the ids of the damaged entries deleted (of ``problems``; the others were kept)
 
     @property
     def ok(self) -> bool:

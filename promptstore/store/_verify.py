@@ -68,14 +68,17 @@ class Maintenance:
             problems.append((eid, str(err)))
             if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
                 bad[ekey] = (raw, gen)
+        removed: Tuple[str, ...] = ()
         if fix and (bad or orphans or stray or stray_packs or counts.wrong or counts.orphans or accounting):
-            def write(txn) -> None:
+            def write(txn) -> Tuple[str, ...]:
+                gone = []
                 for ekey, (raw, gen) in bad.items():
                     now = txn.get(ekey, db=db.entries)
                     # Not replaced by a put since, and found damaged in this generation: a
                     # compaction since may have been followed by a repack no manifest shows.
                     if now is not None and bytes(now) == raw and gen == self._env.generation:
                         self._writer.unlink(txn, ekey, None)
+                        gone.append(_keys.entry_id(ekey))
                 for k in orphans:
                     if txn.get(owner_of_chunk(k), db=db.entries) is None:  # still no entry owns them
                         txn.delete(k, db=db.chunks)
@@ -83,11 +86,12 @@ class Maintenance:
                 self.sweep_blobs(txn)
                 self._writer.recount(txn)
                 _budget.rebuild_lru(txn, db)
+                return tuple(gone)
 
-            self._env.write(write)
+            removed = self._env.write(write)
         return VerifyReport(
             checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer),
-            orphan_packs=len(stray_packs), bad_accounting=accounting,
+            orphan_packs=len(stray_packs), bad_accounting=accounting, removed=removed,
         )
 
     def _counts(self, txn) -> "_Counts":
