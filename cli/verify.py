@@ -41,6 +41,7 @@ def verify(obj, fix, as_json):
             "bad_counts": report.bad_counts,
             "orphan_blocks": report.orphan_blocks,
             "bad_accounting": report.bad_accounting,
+            "bad_records": report.bad_records,
             "removed": list(report.removed),
             "fixed": report.fixed and not report.ok,
             "ok": report.ok,
@@ -58,6 +59,8 @@ def verify(obj, fix, as_json):
             click.echo(f"{report.orphan_blocks} shared block(s) no entry references" + (" (removed)" if fix else ""))
         if report.bad_accounting:
             click.echo(f"{report.bad_accounting} wrong byte count(s) (entry sizes, store usage)" + (" (recounted)" if fix else ""))
+        if report.bad_records:
+            click.echo(f"{report.bad_records} wrong index record(s) (pack records, entry ids)" + (" (rebuilt)" if fix else ""))
         for count, what in ((report.orphan_blobs, "blob file(s) no entry names"), (report.orphan_packs, "pack file(s) the store does not record")):
             if count:
                 click.echo(f"{count} {what} (left by killed puts; " + ("removed)" if fix else "`promptstore gc` removes them)"), err=True)

@@ -1,24 +1,68 @@
-"""verify on a store older than shared blocks, opened read-only, and what
-verify --fix says it removed. Real LMDB files: tables are dropped with the
-lmdb module's own calls."""
+"""One bookkeeping record lost (a ``packs`` record): the entries it indexes
+are intact, so gc and verify --fix keep their files and blocks; verify
+reports the record, --fix rebuilds it. Also verify on a store older than
+shared blocks, opened read-only, and what verify --fix says it removed. Real
+LMDB files: records and tables are deleted with the lmdb module's own calls."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import lmdb
+import pytest
 from click.testing import CliRunner
 
-from _content import MODEL, make_entry, same_cache
-from _raw import damage_manifest, ekey_of
+from _content import MODEL, chat_entry, make_entry, same_cache
+from _raw import audit_blocks, audit_packs, damage_manifest, ekey_of
 from promptstore import PromptStore, StoreError
 from promptstore.cli import main
-from promptstore.format import _blobs
+from promptstore.format import _blobs, _packs
+from promptstore.store import _packing
 from promptstore.store._schema import FORMAT_KEY, U64
+
+
+def pack_files(path) -> list:
+    d = path / _packs.DIRNAME
+    return sorted(os.listdir(d)) if d.is_dir() else []
+
+
+def chats(store, n: int = 3) -> list:
+    """Put ``n`` chats of four turns; their (tokens, cache), in order."""
+    out = []
+    for c in range(n):
+        for t in range(4):
+            toks, cache = chat_entry(c, t)
+            store.put(MODEL, toks, cache)
+            out.append((toks, cache))
+    return out
 
 
 def all_intact(store, items) -> bool:
     return all(same_cache(store.get(MODEL, toks), cache) for toks, cache in items)
+
+
+@pytest.mark.parametrize("repair", ["gc", "fix"])
+def test_a_lost_pack_record_keeps_the_pack_and_is_rebuilt(tmp_path, repair):
+    """gc and verify --fix unlinked a live pack whose ``packs`` record was
+    lost (it counted as a file the store does not record: verify said ok)."""
+    path = tmp_path / "s"
+    with PromptStore(path) as store:
+        items = chats(store)
+        with store.env.read() as txn:
+            victim = _packing.packs(txn, store._db)[0][0]
+        files = pack_files(path)
+        store.env.write(lambda txn: txn.delete(_packing.pack_key(victim), db=store._db.packs))
+        rep = store.verify()
+        assert not rep.ok and rep.bad_records == 1 and rep.orphan_packs == 0 and not rep.problems
+        if repair == "gc":
+            store.gc()
+            assert pack_files(path) == files and all_intact(store, items)
+        rep = store.verify(fix=True)
+        assert rep.bad_records == 1 and rep.removed == ()
+        assert pack_files(path) == files and all_intact(store, items)
+        assert store.verify().ok and store.verify().bad_records == 0
+        audit_blocks(store), audit_packs(store)
 
 
 def test_verify_reads_a_store_older_than_shared_blocks_read_only(tmp_path):

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreError
 from promptstore.format import _packs
-from promptstore.store._schema import PLACES, U64, Tables, pair, parse_pair, u64_or
+from promptstore.store._schema import PACKS, PLACES, U64, Tables, pair, parse_pair, u64_or
 
 log = logging.getLogger("promptstore")
 
@@ -140,6 +140,31 @@ def rebuild(txn, db: Tables, size_of: Callable[[bytes], int]) -> List[int]:
         total_dead += size - n
     txn.put(DEAD_KEY, U64.pack(total_dead), db=db.info)
     return [p for p in recorded if p not in live]
+
+
+def placed_packs(txn, db: Tables) -> Set[int]:
+    """The packs ``places`` names: those holding a live block, recorded or not."""
+    if PLACES not in db:
+        return set()
+    return {where[0] for where in map(parse_pair, txn.cursor(db=db.places).iternext(keys=False, values=True)) if where is not None}
+
+
+def wrong_records(txn, db: Tables, size_of: Callable[[bytes], int]) -> int:
+    """How many pack records (``p`` live bytes, ``m`` members) differ from
+    what :func:`rebuild` makes of ``places`` (a missing or stray one counts)."""
+    if PACKS not in db or PLACES not in db:
+        return 0
+    live: Dict[int, int] = {}
+    want: Dict[bytes, bytes] = {}
+    for k, raw in txn.cursor(db=db.places):
+        where = parse_pair(raw)
+        if where is not None:
+            live[where[0]] = live.get(where[0], 0) + size_of(bytes(k))
+            want[member_key(*where)] = bytes(k)
+    have = dict(_under(txn, db, _M))
+    recorded = {p: n for p, n, _ in packs(txn, db)}
+    return (sum(1 for k in set(want) | set(have) if want.get(k) != have.get(k))
+            + sum(1 for p in set(live) | set(recorded) if live.get(p) != recorded.get(p)))
 
 
 def repack_due(txn, db: Tables) -> bool:

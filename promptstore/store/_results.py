@@ -67,11 +67,12 @@ class VerifyReport:
     newer: Tuple[Tuple[str, str], ...] = ()  # (entry id, why): intact, written by a newer promptstore; kept
     orphan_packs: int = 0  # pack files the store does not record: leftovers of killed puts, not damage
     bad_accounting: int = 0  # entries' size records, and the usage counter, that differ from what is stored
+    bad_records: int = 0  # index records (pack records, entry ids) that differ from the tables they index
     removed: Tuple[str, ...] = ()  # with fix: the ids of the damaged entries deleted (of ``problems``; the others were kept)
 
     @property
     def ok(self) -> bool:
-        return not (self.problems or self.orphan_chunks or self.bad_counts or self.orphan_blocks or self.bad_accounting)
+        return not (self.problems or self.orphan_chunks or self.bad_counts or self.orphan_blocks or self.bad_accounting or self.bad_records)
 
 
 @dataclass(frozen=True)

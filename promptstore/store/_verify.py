@@ -48,6 +48,7 @@ class Maintenance:
             stray_packs = self.stray_packs(txn)
             counts = self._counts(txn)
             accounting = _budget.wrong_accounting(txn, db)
+            records = self._wrong_records(txn)
         checked = 0
         for ekey in keys:
             eid = _keys.entry_id(ekey)
@@ -69,7 +70,7 @@ class Maintenance:
             if not isinstance(err, StoreError):  # reading failed (permissions, I/O): not the entry's fault
                 bad[ekey] = (raw, gen)
         removed: Tuple[str, ...] = ()
-        if fix and (bad or orphans or stray or stray_packs or counts.wrong or counts.orphans or accounting):
+        if fix and (bad or orphans or stray or stray_packs or counts.wrong or counts.orphans or accounting or records):
             def write(txn) -> Tuple[str, ...]:
                 gone = []
                 for ekey, (raw, gen) in bad.items():
@@ -83,15 +84,15 @@ class Maintenance:
                     if txn.get(owner_of_chunk(k), db=db.entries) is None:  # still no entry owns them
                         txn.delete(k, db=db.chunks)
                 self.rebuild_index(txn)
+                self._writer.recount(txn)  # rebuilds the pack records too: a pack ``places`` names is recorded before the sweep
                 self.sweep_blobs(txn)
-                self._writer.recount(txn)
                 _budget.rebuild_lru(txn, db)
                 return tuple(gone)
 
             removed = self._env.write(write)
         return VerifyReport(
             checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer),
-            orphan_packs=len(stray_packs), bad_accounting=accounting, removed=removed,
+            orphan_packs=len(stray_packs), bad_accounting=accounting, bad_records=records, removed=removed,
         )
 
     def _counts(self, txn) -> "_Counts":
@@ -109,6 +110,11 @@ class Maintenance:
                        if (want.get(k, 0) > have.get(k, 0)) or (not unreadable and want.get(k, 0) != have.get(k, 0)))
         orphans = sorted(k for k in stored if k not in want) if not unreadable else []
         return _Counts(wrong, orphans)
+
+    def _wrong_records(self, txn) -> int:
+        """How many index records differ from the tables they index: the
+        pack records from ``places``."""
+        return _packing.wrong_records(txn, self._db, lambda key: _budget.ref_size(txn.get(key, db=self._db.refs)))
 
     def _look(self, ekey: bytes, eid: str, gone: Collection[str] = ()) -> Tuple[Optional[bytes], Optional[PromptStoreError], str]:
         """Check the entry at ``ekey`` in a new snapshot: its manifest there
@@ -186,10 +192,13 @@ class Maintenance:
 
     def stray_packs(self, txn) -> List[int]:
         """The pack files the store does not record (left by a put killed
-        before its commit)."""
+        before its commit). A file that ``places`` names holds live blocks
+        whatever its own record says (lost: verify reports it, --fix rebuilds it)."""
         if PACKS not in self._db:
             return []
-        return [p for p in self._packs.numbers() if not _packing.has_pack(txn, self._db, p)]
+        numbers = [p for p in self._packs.numbers() if not _packing.has_pack(txn, self._db, p)]
+        placed = _packing.placed_packs(txn, self._db) if numbers else set()
+        return [p for p in numbers if p not in placed]
 
     def sweep_blobs(self, txn) -> int:
         """Unlink, once ``txn`` commits, the blob files no manifest in it names
