@@ -1,6 +1,6 @@
-"""One bookkeeping record lost (a ``packs`` record): the entries it indexes
-are intact, so gc and verify --fix keep their files and blocks; verify
-reports the record, --fix rebuilds it. Also verify on a store older than
+"""One bookkeeping record lost (a ``packs`` record, an ``ids`` record): the
+entries it indexes are intact, so gc and verify --fix keep their files and
+blocks; verify reports the record, --fix rebuilds it. Also verify on a store older than
 shared blocks, opened read-only, and what verify --fix says it removed. Real
 LMDB files: records and tables are deleted with the lmdb module's own calls."""
 
@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from _content import MODEL, chat_entry, make_entry, same_cache
 from _raw import audit_blocks, audit_packs, damage_manifest, ekey_of
-from promptstore import PromptStore, StoreError
+from promptstore import EntryNotFound, PromptStore, StoreError
 from promptstore.cli import main
 from promptstore.format import _blobs, _packs
 from promptstore.store import _packing
@@ -63,6 +63,32 @@ def test_a_lost_pack_record_keeps_the_pack_and_is_rebuilt(tmp_path, repair):
         assert pack_files(path) == files and all_intact(store, items)
         assert store.verify().ok and store.verify().bad_records == 0
         audit_blocks(store), audit_packs(store)
+
+
+def test_a_lost_id_record_keeps_the_blob_and_is_rebuilt(tmp_path, monkeypatch):
+    """gc and verify --fix deleted the blob file of an entry whose ``ids``
+    record was lost (the file's entry was looked for through ``ids`` only)."""
+    monkeypatch.setattr(_blobs, "MIN_PAYLOAD", 50_000)
+    path = tmp_path / "s"
+    toks, cache = make_entry(7, 0, big_every=1)
+    with PromptStore(path, shared_blocks=False) as store:
+        eid = store.put(MODEL, toks, cache).id
+        other = store.put(MODEL, *make_entry(7, 1, big_every=1)).id
+        blobs = sorted(os.listdir(path / "blobs"))
+        assert len(blobs) == 2
+        ekey = ekey_of(store, other)
+        store.env.write(lambda txn: txn.delete(eid.encode(), db=store._db.ids))
+        store.env.write(lambda txn: txn.put(b"0123456789abcdef", ekey, db=store._db.ids))  # and one that names no entry of its id
+        rep = store.verify()
+        assert not rep.ok and rep.bad_records == 2 and rep.orphan_blobs == 0 and not rep.problems
+        store.gc()
+        assert sorted(os.listdir(path / "blobs")) == blobs and same_cache(store.get(MODEL, toks), cache)
+        rep = store.verify(fix=True)
+        assert rep.bad_records == 2 and rep.removed == ()
+        assert sorted(os.listdir(path / "blobs")) == blobs and same_cache(store.get(MODEL, toks), cache)
+        assert store.info(eid).id == eid and store.verify().ok
+        with pytest.raises(EntryNotFound):
+            store.info("0123456789abcdef")
 
 
 def test_verify_reads_a_store_older_than_shared_blocks_read_only(tmp_path):

@@ -84,6 +84,7 @@ class Maintenance:
                     if txn.get(owner_of_chunk(k), db=db.entries) is None:  # still no entry owns them
                         txn.delete(k, db=db.chunks)
                 self.rebuild_index(txn)
+                self.rebuild_ids(txn)
                 self._writer.recount(txn)  # rebuilds the pack records too: a pack ``places`` names is recorded before the sweep
                 self.sweep_blobs(txn)
                 _budget.rebuild_lru(txn, db)
@@ -113,8 +114,22 @@ class Maintenance:
 
     def _wrong_records(self, txn) -> int:
         """How many index records differ from the tables they index: the
-        pack records from ``places``."""
-        return _packing.wrong_records(txn, self._db, lambda key: _budget.ref_size(txn.get(key, db=self._db.refs)))
+        entry ids from ``entries``, the pack records from ``places``."""
+        want = {eid.encode(): ekey for eid, ekey in self._entry_ids(txn).items()}
+        have = {bytes(k): bytes(v) for k, v in txn.cursor(db=self._db.ids)}
+        wrong = sum(1 for k in set(want) | set(have) if want.get(k) != have.get(k))
+        return wrong + _packing.wrong_records(txn, self._db, lambda key: _budget.ref_size(txn.get(key, db=self._db.refs)))
+
+    def _entry_ids(self, txn) -> Dict[str, bytes]:
+        """Every entry's key by its id, from the entries table (``ids`` is its index)."""
+        return {_keys.entry_id(bytes(k)): bytes(k) for k in txn.cursor(db=self._db.entries).iternext(keys=True, values=False)}
+
+    def rebuild_ids(self, txn) -> None:
+        """Rebuild ``ids`` from the entries table."""
+        ids = self._entry_ids(txn)
+        txn.drop(self._db.ids, delete=False)
+        for eid, ekey in ids.items():
+            txn.put(eid.encode(), ekey, db=self._db.ids)
 
     def _look(self, ekey: bytes, eid: str, gone: Collection[str] = ()) -> Tuple[Optional[bytes], Optional[PromptStoreError], str]:
         """Check the entry at ``ekey`` in a new snapshot: its manifest there
@@ -174,13 +189,17 @@ class Maintenance:
 
     def stray_blobs(self, txn) -> List[str]:
         """The blob files that no manifest in ``txn`` names. A blob's name
-        starts with its entry's id, so each file costs one manifest read. A
-        file whose entry has a manifest this promptstore cannot read (damaged,
-        or from a newer version) is kept: it may be that entry's."""
-        stray = []
-        for name in self._blobs.names():
-            ekey = txn.get(name[:16].encode(), db=self._db.ids)
-            raw = txn.get(bytes(ekey), db=self._db.entries) if ekey is not None else None
+        starts with its entry's id, so each file costs one manifest read (the
+        entry found from the entries table: not through ``ids``, an index
+        whose record may be lost). A file whose entry has a manifest this
+        promptstore cannot read (damaged, or from a newer version) is kept:
+        it may be that entry's."""
+        stray: List[str] = []
+        names = self._blobs.names()
+        by_id = self._entry_ids(txn) if names else {}
+        for name in names:
+            ekey = by_id.get(name[:16])
+            raw = txn.get(ekey, db=self._db.entries) if ekey is not None else None
             if raw is not None:
                 try:
                     if _entry.unpack_manifest(bytes(raw), name[:16]).blob == name:
