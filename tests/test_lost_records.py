@@ -1,8 +1,9 @@
-"""One bookkeeping record lost (a ``packs`` record, an ``ids`` record): the
-entries it indexes are intact, so gc and verify --fix keep their files and
-blocks; verify reports the record, --fix rebuilds it. Also verify on a store older than
-shared blocks, opened read-only, and what verify --fix says it removed. Real
-LMDB files: records and tables are deleted with the lmdb module's own calls."""
+"""One bookkeeping record lost (a ``packs`` record, a pack's member record,
+an ``ids`` record): the entries it indexes are intact, so gc, compact and
+verify --fix keep their files and blocks; verify reports the record, --fix
+rebuilds it. Also verify on a store older than shared blocks, opened
+read-only, and what verify --fix says it removed. Real LMDB files: records
+and tables are deleted with the lmdb module's own calls."""
 
 from __future__ import annotations
 
@@ -89,6 +90,36 @@ def test_a_lost_id_record_keeps_the_blob_and_is_rebuilt(tmp_path, monkeypatch):
         assert store.info(eid).id == eid and store.verify().ok
         with pytest.raises(EntryNotFound):
             store.info("0123456789abcdef")
+
+
+def test_compact_leaves_a_pack_whose_member_record_is_lost(tmp_path):
+    """compact rewrote a pack without the block whose member record was lost
+    and unlinked the old file: every entry sharing that block was damaged.
+    Now it leaves that pack; verify reports the record, --fix rebuilds it from
+    ``places``, and the next compact rewrites the pack whole."""
+    path = tmp_path / "s"
+    with PromptStore(path, block_tokens=64) as store:
+        items = chats(store)
+        for toks, _ in items[:4]:
+            store.delete(MODEL, toks)  # chat 0's first pack keeps the blocks the other chats share
+        items = items[4:]
+        with store.env.read() as txn:
+            sparse = [p for p, n, size in _packing.packs(txn, store._db)
+                      if size - n > len(_packs.footer([(b"", 0)] * len(_packing.members(txn, store._db, p))))]
+            pack = sparse[0]
+            offset, _ = _packing.members(txn, store._db, pack)[0]
+        store.env.write(lambda txn: txn.delete(_packing.member_key(pack, offset), db=store._db.packs))
+        rep = store.verify()
+        assert not rep.ok and rep.bad_records == 1 and not rep.problems
+        store.compact()
+        assert _packs.name(pack) in pack_files(path) and all_intact(store, items)
+        assert not store.verify().problems
+        store.verify(fix=True)
+        assert store.verify().ok
+        store.compact()
+        assert _packs.name(pack) not in pack_files(path) and all_intact(store, items)
+        assert store.verify().ok
+        audit_blocks(store), audit_packs(store)
 
 
 def test_verify_reads_a_store_older_than_shared_blocks_read_only(tmp_path):

@@ -191,6 +191,10 @@ def repack(txn, db: Tables, files: _packs.Packs, fresh: List[int], unlink_later:
         live = members(txn, db, pack)
         if size - n <= len(_packs.footer([(b"", 0)] * len(live))):
             continue  # nothing dead but its footer
+        if not _whole(txn, db, pack, n, live):
+            log.warning("promptstore: pack file %s not rewritten: its member records are not the blocks placed in it "
+                        "(`promptstore verify --fix` rebuilds them)", _packs.name(pack))
+            continue
         try:
             blocks = _read_live(files, pack, live, txn, db, where)
         except PromptStoreError as err:
@@ -209,6 +213,14 @@ def repack(txn, db: Tables, files: _packs.Packs, fresh: List[int], unlink_later:
         unlink_later(pack)
         moved += n
     return moved
+
+
+def _whole(txn, db: Tables, pack: int, n: int, live: Sequence[Tuple[int, bytes]]) -> bool:
+    """Whether the member records ``live`` of ``pack`` are all its live
+    blocks: each placed there (``places`` is authoritative), and their sizes
+    adding up to its live bytes ``n`` (a lost member record leaves them
+    short). A pack rewritten from fewer would lose blocks entries use."""
+    return sum(_size(txn, db, key) for _, key in live) == n and all(place(txn, db, key) == (pack, offset) for offset, key in live)
 
 
 def _read_live(files: _packs.Packs, pack: int, live: Sequence[Tuple[int, bytes]], txn, db: Tables, where: str) -> List[Tuple[bytes, bytes]]:
