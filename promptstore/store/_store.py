@@ -486,9 +486,12 @@ class PromptStore:
             storage kind or codec version this one does not know, their
             manifest intact) are listed in ``newer``: they are not damage,
             do not fail the report, and ``fix`` keeps them. It also repairs
-            shared-block reference counts (``bad_counts``) and removes blocks
-            nothing references (``orphan_blocks``); it never deletes an
-            intact entry.
+            shared-block reference counts (``bad_counts``), removes blocks
+            nothing references (``orphan_blocks``) and rebuilds the entry ids
+            and pack records that differ from what they index
+            (``bad_records``; a file such a record should name is kept); it
+            never deletes an intact entry. ``removed``: the damaged entries
+            it deleted (one that could not be read is listed, and kept).
 
         Raises:
             InvalidInput: ``fix`` is not a bool.
