@@ -510,17 +510,9 @@ class Env:
                         undo()
 
     def snapshot(self, dest: Path) -> None:
-        """Copy the live generation's data file into the empty folder ``dest``:
-        LMDB's own copy, one consistent state under a read transaction, while
-        this process and others go on reading and writing."""
-        self.check_pid()
-        gen, token = self._follow()
-        try:
-            gen.env.copy(str(dest))
-        except lmdb.Error as err:
-            raise translate(err, gen.dir, "copy") from err
-        finally:
-            self._release(gen, token)
+        """Copy the live generation's data file into the empty folder ``dest`` (LMDB's copy: one consistent state)."""
+        with self.read():  # pins the generation (as data_file); close waits for it
+            self._gen.env.copy(str(dest))
 
     # -- compaction --------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -161,6 +162,18 @@ def check_destination(src, dst) -> Tuple[Path, Path]:
     if dst.absolute().resolve().is_relative_to(src.absolute().resolve()):  # the source is only read: nothing is added to it
         raise InvalidInput(f"{dst} is inside the store {src}; salvage into a folder outside it")
     return src, dst
+
+
+def salvage_held(env: Env, src: Path, dst) -> SalvageReport:
+    """:func:`salvage` of the store at ``src``, which this process holds open
+    through ``env``: LMDB opens a store once per process, so it reads a
+    consistent copy of the data file (``Env.snapshot``), blob and pack files
+    in place."""
+    _, target = check_destination(src, dst)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.snapshot-", dir=target.parent) as snap:
+        env.snapshot(Path(snap))
+        return salvage(src, dst, data=Path(snap))
 
 
 def salvage(src, dst, data: Optional[Path] = None) -> SalvageReport:

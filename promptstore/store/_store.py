@@ -15,8 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import tempfile
-from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from promptstore import rows
@@ -37,7 +35,7 @@ from promptstore.store._find import Finder
 from promptstore.store._gate import CLOSE_TIMEOUT, closed_error
 from promptstore.store._read import Reader
 from promptstore.store._results import EntryInfo, GcReport, Hit, SalvageReport, VerifyReport, utc
-from promptstore.store._salvage import check_destination, salvage as _salvage
+from promptstore.store._salvage import salvage_held
 from promptstore.store._upgrade import upgrade as _upgrade
 from promptstore.store._schema import Tables
 from promptstore.store._usage import Usage, try_flush
@@ -604,11 +602,5 @@ class PromptStore:
 
         See :func:`promptstore.salvage`.
         """
-        _, target = check_destination(self.path, dst)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # LMDB opens a store once per process, and this PromptStore holds it:
-        # salvage reads a consistent copy of its data file (blob and pack files in place).
-        with tempfile.TemporaryDirectory(prefix=f".{target.name}.snapshot-", dir=target.parent) as snap:
-            self.env.snapshot(Path(snap))
-            return _salvage(self.path, dst, data=Path(snap))  # it checks ``dst`` (InvalidInput)
+        return salvage_held(self.env, self.path, dst)
 
