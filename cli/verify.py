@@ -14,7 +14,9 @@ from promptstore.cli._common import command, emit_json, guarded, json_option, pl
     "--fix",
     is_flag=True,
     help="Delete damaged entries, orphaned chunks, blocks and blob files, repair block reference counts, "
-    "and rebuild the index, entry ids and pack records. Entries written by a newer promptstore are kept.",
+    "and rebuild the index, entry ids and pack records (a block's lost place is restored from its pack file "
+    "when its bytes there are intact). "
+    "Entries written by a newer promptstore are kept.",
 )
 @store_option
 @json_option

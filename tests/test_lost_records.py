@@ -1,5 +1,5 @@
 """One bookkeeping record lost (a ``packs`` record, a pack's member record,
-an ``ids`` record): the entries it indexes are intact, so gc, compact and
+an ``ids`` record, a ``places`` record): the entries it indexes are intact, so gc, compact and
 verify --fix keep their files and blocks; verify reports the record, --fix
 rebuilds it. Also verify on a store older than shared blocks, opened
 read-only, and what verify --fix says it removed. Real LMDB files: records
@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from _content import MODEL, chat_entry, make_entry, same_cache
-from _raw import audit_blocks, audit_packs, damage_manifest, ekey_of
+from _raw import audit_blocks, audit_packs, block_place, damage_manifest, ekey_of, flip_block, referrers
 from promptstore import EntryNotFound, PromptStore, StoreError
 from promptstore.cli import main
 from promptstore.format import _blobs, _packs
@@ -119,6 +119,52 @@ def test_compact_leaves_a_pack_whose_member_record_is_lost(tmp_path):
         store.compact()
         assert _packs.name(pack) not in pack_files(path) and all_intact(store, items)
         assert store.verify().ok
+        audit_blocks(store), audit_packs(store)
+
+
+@pytest.mark.parametrize("lost", ["place", "place and member", "place of a damaged block"])
+def test_a_lost_place_record_is_restored_from_the_pack(tmp_path, lost):
+    """verify --fix deleted every entry sharing a block whose ``places``
+    record was lost, its bytes intact in its pack file (salvage found them
+    there by the footers), and dropped the block's member record too. Now
+    verify reports the record, and --fix restores it first, from the member
+    record or else the pack files' footers, where the bytes hash to the
+    address: no entry is removed. A block found intact nowhere still makes
+    its entries damaged, and only those are removed."""
+    path = tmp_path / "s"
+    with PromptStore(path, block_tokens=64) as store:
+        items = chats(store)
+        who = referrers(store)
+        victim = min((k for k in who if block_place(store, k) is not None and len(who[k]) > 1), key=lambda k: (len(who[k]), k))
+        users = who[victim]  # some entries share it, the others do not
+        with store.env.read() as txn:
+            pack, offset = _packing.place(txn, store._db, victim)
+        if lost == "place of a damaged block":
+            flip_block(store, victim)
+
+        def drop(txn):
+            txn.delete(victim, db=store._db.places)
+            if lost == "place and member":
+                txn.delete(_packing.member_key(pack, offset), db=store._db.packs)
+
+        store.env.write(drop)
+        files = pack_files(path)
+        rep = store.verify()
+        assert not rep.ok and {eid for eid, _ in rep.problems} == users  # unreadable until --fix
+        records = {"place": 1, "place and member": 2, "place of a damaged block": 2}[lost]  # the last: its member and pack records
+        assert rep.bad_records == records, rep
+        rep = store.verify(fix=True)
+        if lost == "place of a damaged block":
+            assert set(rep.removed) == users
+            kept = [(toks, cache) for toks, cache in items if store.exists(MODEL, toks)]
+            assert len(kept) == len(items) - len(users) and all_intact(store, kept)
+            assert store.verify().ok
+        else:
+            assert rep.bad_records == records and rep.removed == () and not rep.problems, rep
+            assert all_intact(store, items)
+            with store.env.read() as txn:
+                assert _packing.place(txn, store._db, victim) == (pack, offset)
+            assert pack_files(path) == files and store.verify().ok
         audit_blocks(store), audit_packs(store)
 
 

@@ -149,22 +149,75 @@ def placed_packs(txn, db: Tables) -> Set[int]:
     return {where[0] for where in map(parse_pair, txn.cursor(db=db.places).iternext(keys=False, values=True)) if where is not None}
 
 
-def wrong_records(txn, db: Tables, size_of: Callable[[bytes], int]) -> int:
+def wrong_records(txn, db: Tables, size_of: Callable[[bytes], int], lost: Optional[Dict[bytes, Tuple[int, int]]] = None) -> int:
     """How many pack records (``p`` live bytes, ``m`` members) differ from
-    what :func:`rebuild` makes of ``places`` (a missing or stray one counts)."""
+    what :func:`rebuild` makes of ``places`` (a missing or stray one counts),
+    and the ``places`` records ``lost`` (address -> where :func:`find_lost`
+    found the block), each counted once (the records of its pack are compared
+    as if it were there)."""
     if PACKS not in db or PLACES not in db:
         return 0
+    lost = lost or {}
     live: Dict[int, int] = {}
     want: Dict[bytes, bytes] = {}
-    for k, raw in txn.cursor(db=db.places):
-        where = parse_pair(raw)
+    placed = [(bytes(k), parse_pair(raw)) for k, raw in txn.cursor(db=db.places)]
+    for k, where in placed + list(lost.items()):
         if where is not None:
-            live[where[0]] = live.get(where[0], 0) + size_of(bytes(k))
-            want[member_key(*where)] = bytes(k)
+            live[where[0]] = live.get(where[0], 0) + size_of(k)
+            want[member_key(*where)] = k
     have = dict(_under(txn, db, _M))
     recorded = {p: n for p, n, _ in packs(txn, db)}
-    return (sum(1 for k in set(want) | set(have) if want.get(k) != have.get(k))
+    return (len(lost) + sum(1 for k in set(want) | set(have) if want.get(k) != have.get(k))
             + sum(1 for p in set(live) | set(recorded) if live.get(p) != recorded.get(p)))
+
+
+def find_lost(txn, db: Tables, files: _packs.Packs, sizes: Dict[bytes, int], intact: Callable[[bytes, bytes], bool],
+              where: str) -> Dict[bytes, Tuple[int, int]]:
+    """Where the blocks ``sizes`` names (address -> bytes), placed nowhere
+    (their ``places`` record lost), lie in the pack files: ``(pack, offset)``
+    of each found, looked for where its member record says, then where a
+    pack's footer does, and found only where ``intact(address, bytes)``."""
+    found: Dict[bytes, Tuple[int, int]] = {}
+
+    def look(key: bytes, pack: int, offset: int) -> None:
+        try:
+            data = files.read(pack, offset, sizes[key], where)
+        except PromptStoreError:
+            return
+        if key not in found and intact(key, data):
+            found[key] = (pack, offset)
+
+    for k, key in _under(txn, db, _M):
+        if key in sizes and key not in found and len(k) == 17:
+            look(key, U64.unpack(k[1:9])[0], U64.unpack(k[9:17])[0])
+    if len(found) < len(sizes):
+        try:
+            numbers = files.numbers()
+        except PromptStoreError:
+            numbers = []
+        for pack in numbers:
+            try:
+                held = files.contents(pack, where)
+            except PromptStoreError:
+                continue
+            for key, offset, size in held or ():
+                if key in sizes and key not in found and size == sizes[key]:
+                    look(key, pack, offset)
+    return found
+
+
+def restore(txn, db: Tables, files: _packs.Packs, key: bytes, pack: int, offset: int) -> None:
+    """Record again a block found in ``pack`` at ``offset`` (:func:`find_lost`):
+    its place and member record, and a record of the pack if it has none (its
+    live bytes are rebuilt from ``places`` by :func:`rebuild`)."""
+    txn.put(key, pair(pack, offset), db=db.places)
+    txn.put(member_key(pack, offset), key, db=db.packs)
+    if not has_pack(txn, db, pack):
+        try:
+            size = os.path.getsize(files.files.path(_packs.name(pack)))
+        except OSError:
+            size = 0
+        txn.put(pack_key(pack), pair(0, size), db=db.packs)
 
 
 def repack_due(txn, db: Tables) -> bool:

@@ -487,7 +487,9 @@ class PromptStore:
             shared-block reference counts (``bad_counts``), removes blocks
             nothing references (``orphan_blocks``) and rebuilds the entry ids
             and pack records that differ from what they index
-            (``bad_records``; a file such a record should name is kept); it
+            (``bad_records``; a file such a record should name is kept), first
+            restoring the lost ``places`` record of a block its pack file still
+            holds intact (found by the pack's member record or footer); it
             never deletes an intact entry. ``removed``: the damaged entries
             it deleted (one that could not be read is listed, and kept).
 

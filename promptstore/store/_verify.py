@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Dict, List, Optional, Set, Tuple
 
 from promptstore.errors import CorruptEntry, PromptStoreError, StoreClosed, StoreError, UnknownStorageKind, UnsupportedVersion
-from promptstore.format import _blobs, _entry, _packs
+from promptstore.format import _blobs, _blocks, _entry, _packs
 from promptstore.store import _budget, _index, _keys, _packing, _refcount
 from promptstore.store._env import Env
 from promptstore.store._read import _LOOKS, Reader
 from promptstore.store._results import VerifyReport
-from promptstore.store._schema import PACKS, REFS, Tables, model_of, owner_of_chunk
+from promptstore.store._schema import PACKS, PLACES, REFS, Tables, model_of, owner_of_chunk
 from promptstore.store._walk import walk_tables
 from promptstore.store._write import EntryWriter
 
@@ -36,6 +37,13 @@ class Maintenance:
         bad: Dict[bytes, Tuple[Optional[bytes], str]] = {}  # entry key -> (the manifest bytes found damaged, in generation)
         db = self._db
         walk_tables(self._env.dir)  # where LMDB would abort this process: raises
+        before = 0  # with fix: the wrong records found before restoring lost ``places`` records
+        if fix:
+            with self._env.read() as txn:
+                lost = self.lost_places(txn)
+                before = self._wrong_records(txn, lost) if lost else 0
+            if lost:  # first: the entries using those blocks are then checked intact, not removed
+                self._env.write(self.restore_places)
         # One snapshot for the entry list and the chunk list: a put commits its
         # chunks and manifest together, so only true orphans differ between them.
         with self._env.read() as txn:
@@ -48,7 +56,7 @@ class Maintenance:
             stray_packs = self.stray_packs(txn)
             counts = self._counts(txn)
             accounting = _budget.wrong_accounting(txn, db)
-            records = self._wrong_records(txn)
+            records = self._wrong_records(txn, self.lost_places(txn))
         checked = 0
         for ekey in keys:
             eid = _keys.entry_id(ekey)
@@ -93,7 +101,7 @@ class Maintenance:
             removed = self._env.write(write)
         return VerifyReport(
             checked, tuple(problems), len(orphans), fix, len(stray), len(counts.wrong), len(counts.orphans), tuple(newer),
-            orphan_packs=len(stray_packs), bad_accounting=accounting, bad_records=records, removed=removed,
+            orphan_packs=len(stray_packs), bad_accounting=accounting, bad_records=max(records, before), removed=removed,
         )
 
     def _counts(self, txn) -> "_Counts":
@@ -112,13 +120,59 @@ class Maintenance:
         orphans = sorted(k for k in stored if k not in want) if not unreadable else []
         return _Counts(wrong, orphans)
 
-    def _wrong_records(self, txn) -> int:
+    def _wrong_records(self, txn, lost: Dict[bytes, Tuple[int, int]]) -> int:
         """How many index records differ from the tables they index: the
-        entry ids from ``entries``, the pack records from ``places``."""
+        entry ids from ``entries``, the pack records from ``places``, and
+        the ``places`` records ``lost`` (:meth:`lost_places`)."""
         want = {eid.encode(): ekey for eid, ekey in self._entry_ids(txn).items()}
         have = {bytes(k): bytes(v) for k, v in txn.cursor(db=self._db.ids)}
         wrong = sum(1 for k in set(want) | set(have) if want.get(k) != have.get(k))
-        return wrong + _packing.wrong_records(txn, self._db, lambda key: _budget.ref_size(txn.get(key, db=self._db.refs)))
+        return wrong + _packing.wrong_records(txn, self._db, lambda key: _budget.ref_size(txn.get(key, db=self._db.refs)), lost)
+
+    def lost_places(self, txn) -> Dict[bytes, Tuple[int, int]]:
+        """The blocks readable manifests reference that are stored nowhere (no
+        ``blocks`` value, no ``places`` record) but lie intact in a pack file,
+        each with where: ``(pack, offset)``. Their ``places`` record was lost;
+        the pack's member record or footer still says where they are
+        (``_packing.find_lost``), and their bytes hash to their address."""
+        db = self._db
+        if PLACES not in db or PACKS not in db:
+            return {}
+        have = _refcount.stored(txn, db)
+        heads: Dict[bytes, Tuple[str, int, str, Tuple[int, ...]]] = {}
+        for k, raw in txn.cursor(db=db.entries):
+            try:
+                man = _entry.unpack_manifest(bytes(raw), _keys.entry_id(bytes(k)))
+            except PromptStoreError:
+                continue
+            for li, rec in man.parted():
+                layer = man.layers[li]
+                for key, shape in man.parts(rec):
+                    if key not in have:
+                        heads.setdefault(key, (layer.kind, layer.version, rec.dtype, shape))
+        if not heads:
+            return {}
+        where = f"{self.path}: verify"
+        sizes = {key: math.prod(shape) * _entry.DTYPES[dtype].size for key, (_, _, dtype, shape) in heads.items()}
+
+        def intact(key: bytes, data: bytes) -> bool:
+            kind, version, dtype, shape = heads[key]
+            try:
+                _blocks.check(key, kind, version, dtype, shape, _entry.DTYPES[dtype].size, data, where)
+            except PromptStoreError:
+                return False
+            return True
+
+        return _packing.find_lost(txn, db, self._packs, sizes, intact, where)
+
+    def restore_places(self, txn) -> int:
+        """Restore the ``places`` records of the blocks :meth:`lost_places`
+        finds (in a write transaction, under the writer lock: no pack is
+        rewritten or unlinked meanwhile); returns how many."""
+        lost = self.lost_places(txn)
+        for key, (pack, offset) in lost.items():
+            _packing.restore(txn, self._db, self._packs, key, pack, offset)
+        return len(lost)
 
     def _entry_ids(self, txn) -> Dict[str, bytes]:
         """Every entry's key by its id, from the entries table (``ids`` is its index)."""
