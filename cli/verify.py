@@ -76,7 +76,10 @@ def verify(obj, fix, as_json):
                 + (f"; kept {plural(kept)} listed above, not found damaged (reading failed, or it changed meanwhile)" if kept else "")
             )
         elif report.problems:
-            click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` to remove them", err=True)
+            mends = ("; it first rebuilds the wrong index records, which may make some readable again"
+                     if report.bad_records else "")
+            click.echo(f"{len(report.problems)} damaged of {report.checked} checked; run `promptstore verify --fix` "
+                       f"to remove them{mends}", err=True)
         else:  # counts or leftovers only: every entry is intact
             click.echo(f"{plural(report.checked)} checked, none damaged; `promptstore verify --fix` repairs what is listed above", err=True)
     if not report.ok:

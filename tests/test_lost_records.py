@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import lmdb
 import pytest
@@ -153,6 +155,10 @@ def test_a_lost_place_record_is_restored_from_the_pack(tmp_path, lost):
         assert not rep.ok and {eid for eid, _ in rep.problems} == users  # unreadable until --fix
         records = {"place": 1, "place and member": 2, "place of a damaged block": 2}[lost]  # the last: its member and pack records
         assert rep.bad_records == records, rep
+        if lost == "place":  # the CLI says --fix may make them readable, not only that it removes them
+            res = subprocess.run([sys.executable, "-m", "promptstore.cli", "--store", str(path), "verify"],
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 1 and "rebuilds the wrong index records" in res.stderr, res.stderr
         rep = store.verify(fix=True)
         if lost == "place of a damaged block":
             assert set(rep.removed) == users
