@@ -509,11 +509,6 @@ class Env:
                     if undo is not None:
                         undo()
 
-    def snapshot(self, dest: Path) -> None:
-        """Copy the live generation's data file into the empty folder ``dest`` (LMDB's copy: one consistent state)."""
-        with self.read():  # pins the generation (as data_file); close waits for it
-            self._gen.env.copy(str(dest))
-
     # -- compaction --------------------------------------------------------------
 
     def compact(self) -> Tuple[int, int]:
@@ -562,6 +557,11 @@ class Env:
                 self._release(gen, token)
             self._release(*self._follow(force=True))
             return before, after
+
+    def snapshot(self, dest: Path) -> None:
+        """Copy the live generation's data file into the empty folder ``dest`` (LMDB's copy: one consistent state)."""
+        with self.read():  # pins the generation (as for data_file); close waits for it
+            self._gen.env.copy(str(dest))
 
     def data_file(self) -> _pages.DataFile:
         """The live generation's data file as mapped here, its mapping re-read

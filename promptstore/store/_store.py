@@ -484,14 +484,9 @@ class PromptStore:
             storage kind or codec version this one does not know, their
             manifest intact) are listed in ``newer``: they are not damage,
             do not fail the report, and ``fix`` keeps them. It also repairs
-            shared-block reference counts (``bad_counts``), removes blocks
-            nothing references (``orphan_blocks``) and rebuilds the entry ids
-            and pack records that differ from what they index
-            (``bad_records``; a file such a record should name is kept), first
-            restoring the lost ``places`` record of a block its pack file still
-            holds intact (found by the pack's member record or footer); it
-            never deletes an intact entry. ``removed``: the damaged entries
-            it deleted (one that could not be read is listed, and kept).
+            ``bad_counts``, removes ``orphan_blocks``, and rebuilds
+            ``bad_records`` (a lost block place first, from its pack file):
+            it never deletes an intact entry, and lists what it deleted in ``removed``.
 
         Raises:
             InvalidInput: ``fix`` is not a bool.
