@@ -196,7 +196,7 @@ def _run(mlx_server, host: str, port: int, model_provider, store: Optional[Promp
 class _Fetches:
     """The PersistentPromptCache as the server sees it, remembering on each
     thread the model key, prompt and cached prefix of its last
-    ``fetch_nearest_cache``, and where that prompt's system prompt ends, so
+    ``fetch_nearest_cache``, and where that prompt's segments end, so
     that a request served alone can checkpoint its prompt and where its
     segments end, as a batched one is (mlx-lm's ``_serve_single`` caches
     only prompt + answer)."""
