@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import click
 
 from promptstore.cli._common import check_output, command, emit_json, guarded, info_json, json_option, store_option
@@ -57,6 +59,10 @@ def get(obj, margs, pargs, output, as_json):
     if store is None and obj.remote:  # no local store yet: the remote may hold it, and the store keeps what it gives
         store = obj.store
     hit = best_lookup(store, loaded, tokens) if store is not None else None
+    other = _other_layout(hit.cache, margs.cache) if hit is not None and output is not None else None
+    if other is not None:  # mlx_lm.generate would refuse the file: prefill afresh with the flags given
+        click.echo(f"entry {hit.info.id} holds {other}, not what --kv-bits/--kv-group-size ask for: not used", err=True)
+        hit = None
     matched = hit.matched if hit else 0
     if output is not None:
         cache = hit.cache if hit else make_cache(loaded.model, margs.cache)
@@ -88,3 +94,16 @@ def get(obj, margs, pargs, output, as_json):
     if output is not None:
         click.echo(f"wrote {output}: {len(tokens)} tokens ({len(tokens) - matched} prefilled); "
                    f"use: mlx_lm.generate --model {loaded.spec} --prompt-cache-file {output} --prompt ...")
+
+
+def _other_layout(cache, options) -> Optional[str]:
+    """What a hit holds when its quantized layers differ from ``--kv-bits``
+    and ``--kv-group-size`` (given), which ``mlx_lm.generate`` then refuses
+    in the file; None when they agree, or no bits were asked for."""
+    if options.kv_bits is None:
+        return None
+    for layer in cache:
+        bits, group = getattr(layer, "bits", None), getattr(layer, "group_size", None)
+        if bits is not None and (bits, group) != (options.kv_bits, options.kv_group_size):
+            return f"{bits}-bit KV in groups of {group}"
+    return None

@@ -54,6 +54,16 @@ def test_kv_bits_make_quantized_entries_and_files(tmp_path):
     js(s, "get", "--model", LLAMA, "--prompt", longer, "-o", out, "--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0")
     layers = load_prompt_cache(str(out))
     assert all(type(c) is QuantizedKVCache and c.bits == 4 for c in layers)
+    # an 8-bit entry under --kv-bits 4: get -o wrote it 8-bit, which mlx_lm.generate --kv-bits 4 refuses;
+    # it is not used now, and the file is prefilled afresh at 4 bits
+    eight = js(s, "put", "--model", LLAMA, "--prompt", PROMPT, "--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0")
+    res = invoke(s, "get", "--model", LLAMA, "--prompt", longer, "-o", out, "--kv-bits", "4", "--kv-group-size", "32",
+                 "--quantized-kv-start", "0", "--json")
+    got = json.loads(res.stdout)
+    assert got["matched"] == 0 and got["entry"] is None and f"entry {eight['id']} holds 8-bit KV" in res.stderr
+    assert all(type(c) is QuantizedKVCache and (c.bits, c.group_size) == (4, 32) for c in load_prompt_cache(str(out)))
+    same = js(s, "get", "--model", LLAMA, "--prompt", longer, "-o", out, "--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0")
+    assert same["entry"]["id"] == eight["id"] and same["matched"] > 0  # the flags it was stored with: used
     assert invoke(s, "put", "--model", LLAMA, "--prompt", PROMPT, "--kv-bits", "7", code=2).stderr
 
 
