@@ -40,7 +40,7 @@ import os
 import secrets
 import struct
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from promptstore.errors import StoreError
 from promptstore.format._blobs import Blobs, Vanished
@@ -122,6 +122,22 @@ class Packs:
             raise StoreError(f"{where}: cannot read pack file {name(pack)} ({err})") from err
         finally:
             os.close(fd)
+
+    def footers(self, where: str) -> Iterator[Tuple[int, bytes, int, int]]:
+        """``(pack, address, offset, size)`` of every block the pack files'
+        footers name; packs without an intact or readable footer, and a
+        directory that cannot be listed, give none."""
+        try:
+            numbers = self.numbers()
+        except StoreError:
+            return
+        for pack in numbers:
+            try:
+                held = self.contents(pack, where)
+            except StoreError:
+                continue
+            for key, offset, size in held or ():
+                yield pack, key, offset, size
 
     def unlink(self, pack: int) -> None:
         self.files.unlink(name(pack))

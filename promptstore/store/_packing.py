@@ -122,17 +122,11 @@ def rebuild(txn, db: Tables, size_of: Callable[[bytes], int]) -> List[int]:
     """Rebuild the member records, live bytes and ``dead`` from ``places``
     (``size_of(address)``: a block's size); returns the packs none of whose
     blocks is placed any more (dropped: the caller unlinks them)."""
-    live: Dict[int, int] = {}
-    placed: List[Tuple[int, int, bytes]] = []
-    for k, raw in txn.cursor(db=db.places):
-        where = parse_pair(raw)
-        if where is not None:
-            live[where[0]] = live.get(where[0], 0) + size_of(bytes(k))
-            placed.append((where[0], where[1], bytes(k)))
+    live, want = _from_places(txn, db, size_of)
     recorded = {p: f for p, _, f in packs(txn, db)}
     txn.drop(db.packs, delete=False)
-    for pack, offset, key in placed:
-        txn.put(member_key(pack, offset), key, db=db.packs)
+    for mkey, key in want.items():
+        txn.put(mkey, key, db=db.packs)
     total_dead = 0
     for pack, n in live.items():
         size = max(recorded.get(pack, n), n)
@@ -140,6 +134,20 @@ def rebuild(txn, db: Tables, size_of: Callable[[bytes], int]) -> List[int]:
         total_dead += size - n
     txn.put(DEAD_KEY, U64.pack(total_dead), db=db.info)
     return [p for p in recorded if p not in live]
+
+
+def _from_places(txn, db: Tables, size_of: Callable[[bytes], int],
+                 lost: Optional[Dict[bytes, Tuple[int, int]]] = None) -> Tuple[Dict[int, int], Dict[bytes, bytes]]:
+    """What ``places`` (and the blocks ``lost``, as if placed) make of the pack
+    records: live bytes by pack, and member key -> address."""
+    live: Dict[int, int] = {}
+    want: Dict[bytes, bytes] = {}
+    placed = [(bytes(k), parse_pair(raw)) for k, raw in txn.cursor(db=db.places)]
+    for key, where in placed + list((lost or {}).items()):
+        if where is not None:
+            live[where[0]] = live.get(where[0], 0) + size_of(key)
+            want[member_key(*where)] = key
+    return live, want
 
 
 def placed_packs(txn, db: Tables) -> Set[int]:
@@ -157,17 +165,10 @@ def wrong_records(txn, db: Tables, size_of: Callable[[bytes], int], lost: Option
     as if it were there)."""
     if PACKS not in db or PLACES not in db:
         return 0
-    lost = lost or {}
-    live: Dict[int, int] = {}
-    want: Dict[bytes, bytes] = {}
-    placed = [(bytes(k), parse_pair(raw)) for k, raw in txn.cursor(db=db.places)]
-    for k, where in placed + list(lost.items()):
-        if where is not None:
-            live[where[0]] = live.get(where[0], 0) + size_of(k)
-            want[member_key(*where)] = k
+    live, want = _from_places(txn, db, size_of, lost)
     have = dict(_under(txn, db, _M))
     recorded = {p: n for p, n, _ in packs(txn, db)}
-    return (len(lost) + sum(1 for k in set(want) | set(have) if want.get(k) != have.get(k))
+    return (len(lost or {}) + sum(1 for k in set(want) | set(have) if want.get(k) != have.get(k))
             + sum(1 for p in set(live) | set(recorded) if live.get(p) != recorded.get(p)))
 
 
@@ -191,18 +192,9 @@ def find_lost(txn, db: Tables, files: _packs.Packs, sizes: Dict[bytes, int], int
         if key in sizes and key not in found and len(k) == 17:
             look(key, U64.unpack(k[1:9])[0], U64.unpack(k[9:17])[0])
     if len(found) < len(sizes):
-        try:
-            numbers = files.numbers()
-        except PromptStoreError:
-            numbers = []
-        for pack in numbers:
-            try:
-                held = files.contents(pack, where)
-            except PromptStoreError:
-                continue
-            for key, offset, size in held or ():
-                if key in sizes and key not in found and size == sizes[key]:
-                    look(key, pack, offset)
+        for pack, key, offset, size in files.footers(where):
+            if key in sizes and key not in found and size == sizes[key]:
+                look(key, pack, offset)
     return found
 
 

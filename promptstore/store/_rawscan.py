@@ -135,19 +135,9 @@ def _one_object(data, start: int) -> Optional[bytes]:
 def pack_blocks(root: Path, where: str) -> Dict[bytes, Tuple[int, int, int]]:
     """Every block the store's pack files name in their footers: address ->
     (pack, offset, size). Packs without an intact footer are left out."""
-    packs = _packs.Packs(root)
     out: Dict[bytes, Tuple[int, int, int]] = {}
-    try:
-        numbers = packs.numbers()
-    except PromptStoreError:
-        return out
-    for pack in numbers:
-        try:
-            held = packs.contents(pack, where)
-        except PromptStoreError:
-            continue
-        for key, offset, size in held or ():
-            out.setdefault(key, (pack, offset, size))
+    for pack, key, offset, size in _packs.Packs(root).footers(where):
+        out.setdefault(key, (pack, offset, size))
     return out
 
 
